@@ -1,0 +1,34 @@
+"""Errors the engine raises for bad requests. None of them stops the engine loop."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class for errors reported to one request; the engine keeps serving others."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is malformed: bad sampling values, empty or oversized prompt."""
+
+
+class ContextNotFound(EngineError, KeyError):
+    """A context id that was never created or was already freed."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "context not found"
+
+
+class ContextBusy(EngineError):
+    """A context cannot be used now: it is generating, or it still has live children."""
+
+
+class OutOfMemory(EngineError):
+    """The KV pool cannot hold this request even with everything else preempted."""
+
+
+class UnsupportedModel(EngineError, ValueError):
+    """A checkpoint whose architecture this engine does not implement."""
+
+
+class RequestCancelled(EngineError):
+    """The request was cancelled before it finished."""

@@ -1,0 +1,91 @@
+"""The engine contract the manager uses: fill, generate, free, stats.
+
+One implementation runs in-process (`parrot_backend.engine.engine.Engine`);
+others reach a remote engine over HTTP. The manager never touches torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from .sampling import SamplingParams
+
+ContextId = Hashable  # ints or strings chosen by the caller
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """One step of a generation: the new token and the text it completes.
+
+    `text` may be empty (a token that ends mid-way through a UTF-8 character, or text
+    held back because it could be the start of a stop string). The last delta has
+    `finish_reason` set: "stop" (EOS, stop token or stop string) or "length".
+    """
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's state, for schedulers, metrics and tests."""
+
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int  # free blocks that still hold a reusable prefix
+    prefix_cache_enabled: bool
+    prefix_cache_hits: int  # tokens served from the token-level prefix cache
+    prefix_cache_queries: int  # tokens looked up in it
+    contexts: int
+    running: int
+    waiting: int
+    tokens_computed: int  # tokens whose KV the model computed (prefill + decode)
+    tokens_generated: int
+    preemptions: int
+    steps: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.blocks_free * self.block_size
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the manager (and the HTTP engine API) needs from an engine."""
+
+    model_name: str
+
+    async def fill(
+        self, context_id: ContextId, parent_id: ContextId | None, token_ids: list[int],
+        *, salt: str | None = None,
+    ) -> int:
+        """Append tokens to a context (creating it, forked from `parent_id`, if new) and
+        compute their KV. Returns the context's length in tokens."""
+        ...
+
+    def generate(
+        self, context_id: ContextId, parent_id: ContextId | None, sampling: SamplingParams,
+        *, salt: str | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Generate into a context (creating it from `parent_id` if new); the generated
+        tokens stay in the context. Closing the iterator early cancels the generation."""
+        ...
+
+    async def free(self, context_id: ContextId) -> None:
+        """Release a context. Blocks shared with other contexts stay alive."""
+        ...
+
+    async def stats(self) -> EngineStats:
+        ...
+
+    def tokenize(self, text: str) -> list[int]:
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        ...

@@ -1,0 +1,93 @@
+"""Sampling parameters and the per-request sampler."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequest
+
+MAX_TOP_K = 1_000_000
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one generation. `temperature == 0` means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) or not 0 < p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
+        limit = vocab_size if vocab_size is not None else MAX_TOP_K
+        if k > limit:
+            raise InvalidRequest(f"top_k must be <= {limit} (the vocabulary size), got {k}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and (vocab_size is None or 0 <= i < vocab_size)
+            for i in self.stop_token_ids
+        ):
+            raise InvalidRequest("stop_token_ids must be a list of token ids inside the vocabulary")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks the next token for one request; owns that request's random generator."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Sample from a 1-D logits row (any float dtype)."""
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits).item())
+        logits = logits.float() / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # keep the smallest set whose mass reaches top_p (always at least one token)
+            drop = cumulative - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())

@@ -1,0 +1,163 @@
+"""Attention over a paged KV cache: the backend interface and the torch backend.
+
+KV layout (shared with `parrot_backend.kernels`): per layer, `k_cache` and `v_cache` are
+`[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
+`block_id * block_size + offset`; a sequence's blocks are listed in its block table.
+
+A forward step carries a flat batch of T new tokens from B sequences. Sequence i owns
+rows `query_start[i]:query_start[i+1]` of q, and its context is `seq_lens[i]` tokens long
+(cached tokens plus its new ones); new tokens sit at the end of the context, so query j of
+sequence i is at position `seq_lens[i] - q_len_i + j` and attends causally up to itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefixGroup:
+    """Decode sequences forked from one ancestor: its first `prefix_len` tokens (blocks
+    `prefix_blocks`) are shared, so a shared-prefix kernel can read them once."""
+
+    seq_indices: list[int]
+    prefix_len: int
+    prefix_blocks: list[int]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one forward step (built once, used by every layer)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
+    query_start: list[int]  # [B + 1] offsets of each sequence's rows in the flat batch
+    seq_lens: list[int]  # [B] context length per sequence, new tokens included
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (masked by seq_lens)
+    block_size: int
+    prefix_groups: list[PrefixGroup] = field(default_factory=list)
+    # lazily built helpers for the torch backend
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start[i + 1] - self.query_start[i]
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and computes attention for a flat batch."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v: [T, Hkv, D]; write each row at its slot."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] -> [T, Hq, D]; K/V of the new tokens are already stored."""
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: gathers each sequence's K/V from its blocks and calls SDPA.
+
+    Decode rows (one query per sequence) are batched with padding; prefill chunks run one
+    sequence at a time with a causal mask offset by the cached length.
+    """
+
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        nb, bs, h, d = k_cache.shape
+        k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        nb, bs, hkv, d = k_cache.shape
+        flat_k = k_cache.view(nb * bs, hkv, d)
+        flat_v = v_cache.view(nb * bs, hkv, d)
+        groups = q.shape[1] // hkv
+        decode, prefill = self._split(meta)
+        if decode:
+            rows, slots, mask = self._decode_plan(meta, decode, q.device)
+            # [n, L, Hkv, D] -> [n, Hkv, L, D], expanded to the query heads (GQA)
+            k = flat_k[slots].transpose(1, 2).repeat_interleave(groups, dim=1)
+            v = flat_v[slots].transpose(1, 2).repeat_interleave(groups, dim=1)
+            qd = q[rows].unsqueeze(2)  # [n, Hq, 1, D]
+            o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype),
+                                               attn_mask=mask, scale=scale)
+            out[rows] = o.squeeze(2)
+        for i in prefill:
+            s, e = meta.query_start[i], meta.query_start[i + 1]
+            n_ctx = meta.seq_lens[i]
+            slots = self._slots(meta, i, n_ctx, q.device)
+            k = flat_k[slots].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
+            v = flat_v[slots].transpose(0, 1).repeat_interleave(groups, dim=0)
+            qn = q[s:e].transpose(0, 1)  # [Hq, n, D]
+            n_new = e - s
+            # query j sits at position n_ctx - n_new + j and sees keys 0..that position
+            pos_q = torch.arange(n_ctx - n_new, n_ctx, device=q.device).unsqueeze(1)
+            pos_k = torch.arange(n_ctx, device=q.device).unsqueeze(0)
+            mask = pos_k <= pos_q
+            o = F.scaled_dot_product_attention(qn, k.to(q.dtype), v.to(q.dtype),
+                                               attn_mask=mask, scale=scale)
+            out[s:e] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _split(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+        decode, prefill = [], []
+        for i in range(meta.num_seqs):
+            (decode if meta.query_len(i) == 1 else prefill).append(i)
+        return decode, prefill
+
+    @staticmethod
+    def _slots(meta: AttentionMetadata, i: int, n: int, device) -> torch.Tensor:
+        bs = meta.block_size
+        nblocks = (n + bs - 1) // bs
+        blocks = meta.block_tables[i, :nblocks].to(device=device, dtype=torch.long)
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=device)).flatten()
+        return slots[:n]
+
+    def _decode_plan(self, meta: AttentionMetadata, decode: list[int], device):
+        key = ("decode", tuple(decode))
+        if key in meta.cache:
+            return meta.cache[key]
+        bs = meta.block_size
+        lens = torch.tensor([meta.seq_lens[i] for i in decode], device=device)
+        max_len = int(lens.max())
+        nblocks = (max_len + bs - 1) // bs
+        tables = meta.block_tables[decode, :nblocks].to(device=device, dtype=torch.long)
+        slots = (tables.unsqueeze(2) * bs + torch.arange(bs, device=device)).flatten(1)
+        slots = slots[:, :max_len]
+        valid = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        slots = slots.masked_fill(~valid, 0)
+        rows = torch.tensor([meta.query_start[i] for i in decode], device=device)
+        mask = valid[:, None, None, :]  # [n, 1, 1, L]
+        plan = (rows, slots, mask)
+        meta.cache[key] = plan
+        return plan
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """Look up an attention backend by name ("torch" or "triton")."""
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from parrot_backend.kernels.backend import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'triton')")

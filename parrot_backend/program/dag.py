@@ -1,0 +1,194 @@
+"""Program: calls and semantic variables as a DAG, with the structural checks."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Literal
+
+import networkx as nx
+
+from .call import Call
+from .errors import (
+    CycleError,
+    DuplicateCallError,
+    DuplicateProducerError,
+    MissingInputError,
+    ProgramError,
+    UnknownVariableError,
+)
+from .variable import SemanticVariable
+
+Node = tuple[Literal["call", "var"], str]
+
+
+def call_node(name: str) -> Node:
+    """The graph node of call `name`."""
+    return ("call", name)
+
+
+def var_node(name: str) -> Node:
+    """The graph node of semantic variable `name`."""
+    return ("var", name)
+
+
+class Program:
+    """Calls and semantic variables. Acyclic, and every variable has at most one producer.
+
+    `graph` is bipartite: edges go variable -> call (the call reads it) and call ->
+    variable (the call generates it). Nodes are `("call", name)` and `("var", name)`
+    because a call and a variable may share a name. `public` marks the program's prefixes
+    as shareable across tenants.
+
+    Calls can be added later (`add_call`), as an open run does; each addition is checked
+    and leaves the program unchanged when it fails.
+    """
+
+    def __init__(self, calls: Iterable[Call] = (), public: bool = False) -> None:
+        self.calls: dict[str, Call] = {}
+        self.variables: dict[str, SemanticVariable] = {}
+        self.graph: nx.DiGraph = nx.DiGraph()
+        self.public = public
+        self.add_calls(calls)
+
+    def add_call(self, call: Call) -> None:
+        """Add one call; see `add_calls`."""
+        self.add_calls([call])
+
+    def add_calls(self, calls: Iterable[Call]) -> None:
+        """Add calls, checking names, producers and cycles over the whole batch.
+
+        Raises DuplicateCallError, DuplicateProducerError or CycleError naming every
+        offender; on error the program is unchanged.
+        """
+        calls = list(calls)
+        self._check_new(calls)
+        for call in calls:
+            self._insert(call)
+        try:
+            cycle = nx.find_cycle(self.graph, source=[call_node(c.name) for c in calls])
+        except nx.NetworkXNoCycle:
+            return
+        for call in reversed(calls):
+            self._remove(call)
+        # the cycle alternates call -> variable -> call; start it at a call
+        nodes = [edge[0] for edge in cycle]
+        if nodes[0][0] == "var":
+            nodes = nodes[1:] + nodes[:1]
+        raise CycleError([n for _, n in nodes[0::2]], [n for _, n in nodes[1::2]])
+
+    def _check_new(self, calls: list[Call]) -> None:
+        problems: list[str] = []
+        names: set[str] = set()
+        for call in calls:
+            if call.name in self.calls or call.name in names:
+                problems.append(f"call name {call.name!r} is used twice")
+            names.add(call.name)
+        if problems:
+            raise DuplicateCallError("; ".join(problems), problems)
+        producer: dict[str, list[str]] = {}
+        for call in calls:
+            for out in call.outputs:
+                producer.setdefault(out, []).append(call.name)
+        for var, new in producer.items():
+            old = self.variables.get(var)
+            makers = ([old.producer] if old is not None and old.producer else []) + new
+            if len(makers) > 1:
+                problems.append(
+                    f"variable {var!r} is produced by calls {', '.join(map(repr, makers))}"
+                )
+        if problems:
+            raise DuplicateProducerError("; ".join(problems), problems)
+
+    def _insert(self, call: Call) -> None:
+        self.calls[call.name] = call
+        node = call_node(call.name)
+        self.graph.add_node(node)
+        for name in call.inputs:
+            self._variable(name).consumers.append(call.name)
+            self.graph.add_edge(var_node(name), node)
+        for name in call.outputs:
+            self._variable(name).producer = call.name
+            self.graph.add_edge(node, var_node(name))
+
+    def _remove(self, call: Call) -> None:
+        del self.calls[call.name]
+        self.graph.remove_node(call_node(call.name))
+        for name in (*call.inputs, *call.outputs):
+            var = self.variables[name]
+            if var.producer == call.name:
+                var.producer = None
+            if call.name in var.consumers:
+                var.consumers.remove(call.name)
+            if var.producer is None and not var.consumers:
+                del self.variables[name]
+                self.graph.remove_node(var_node(name))
+
+    def _variable(self, name: str) -> SemanticVariable:
+        var = self.variables.get(name)
+        if var is None:
+            var = self.variables[name] = SemanticVariable(name)
+        return var
+
+    @property
+    def inputs(self) -> list[str]:
+        """Variables that no call produces: the run provides them."""
+        return [v.name for v in self.variables.values() if v.is_input]
+
+    def producers(self, call: str) -> list[str]:
+        """Distinct calls that produce the inputs of `call`, in input order."""
+        found = (self.variables[v].producer for v in self.calls[call].inputs)
+        return list(dict.fromkeys(p for p in found if p is not None))
+
+    def consumers(self, call: str) -> list[str]:
+        """Distinct calls that read an output of `call`."""
+        found = (c for v in self.calls[call].outputs for c in self.variables[v].consumers)
+        return list(dict.fromkeys(found))
+
+    def call_graph(self) -> nx.DiGraph:
+        """Calls only: an edge producer -> consumer for each variable passed between them."""
+        g = nx.DiGraph()
+        g.add_nodes_from(self.calls)
+        for var in self.variables.values():
+            if var.producer is not None:
+                for consumer in var.consumers:
+                    g.add_edge(var.producer, consumer)
+        return g
+
+    def topological_calls(self) -> list[str]:
+        """Call names, each after every call it depends on."""
+        return [name for kind, name in nx.topological_sort(self.graph) if kind == "call"]
+
+    def check_run(
+        self,
+        inputs: Collection[str],
+        outputs: Collection[str] = (),
+        closed: bool = True,
+    ) -> None:
+        """Check a run's input values and awaited outputs against this program.
+
+        Inputs must not be produced by a call. A closed run must name only known
+        variables and give every input; an open run may name variables of calls it will
+        add later and give inputs later, so it is checked again when it closes. Raises
+        UnknownVariableError, ProgramError or MissingInputError naming all offenders of
+        the first kind found.
+        """
+        unknown = [n for n in (*inputs, *outputs) if n not in self.variables]
+        if unknown and closed:
+            msg = f"unknown variables: {', '.join(map(repr, dict.fromkeys(unknown)))}"
+            raise UnknownVariableError(msg)
+        produced = [
+            n for n in inputs if n in self.variables and self.variables[n].producer is not None
+        ]
+        if produced:
+            problems = [
+                f"input {n!r} is produced by call {self.variables[n].producer!r}"
+                for n in produced
+            ]
+            raise ProgramError("; ".join(problems), problems)
+        if closed:
+            given = set(inputs)
+            missing = [n for n in self.inputs if n not in given]
+            if missing:
+                raise MissingInputError(
+                    f"inputs never provided: {', '.join(map(repr, missing))}"
+                )

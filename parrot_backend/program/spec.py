@@ -1,0 +1,80 @@
+"""The JSON form of programs and runs, shared by the HTTP API and the SQL store.
+
+Pydantic checks types and ranges (a ValidationError, i.e. a 422); `build` then parses
+templates and checks the structure (a ProgramError, i.e. a 400 naming the offenders).
+`ProgramSpec.model_json_schema()` is the published schema.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .call import Call
+from .dag import Program
+from .generation import GenerationConfig
+from .template import NAME_PATTERN
+
+__all__ = ["CallSpec", "Criterion", "GenerationConfig", "ProgramSpec", "RunSpec"]
+
+Criterion = Literal["latency", "throughput"]
+
+
+class CallSpec(BaseModel):
+    """One call: a template and the generation config of its outputs.
+
+    Outputs of the template missing from `outputs` get the default config; names in
+    `outputs` that the template does not generate are an error. An unnamed call is named
+    `#<index>` after its place in the program (user names cannot start with `#`).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str | None = Field(None, pattern=f"^{NAME_PATTERN}$")
+    template: str
+    outputs: dict[str, GenerationConfig] = Field(default_factory=dict)
+
+    def build(self, index: int) -> Call:
+        """The parsed call; `index` names it when it has no name."""
+        name = self.name if self.name is not None else f"#{index}"
+        return Call.from_template(name, self.template, self.outputs)
+
+
+class ProgramSpec(BaseModel):
+    """Calls whose templates connect through semantic variables.
+
+    `public` lets the program's prefixes be shared across tenants (cache hits are
+    observable by timing, so sharing is opt-in).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    calls: list[CallSpec] = Field(min_length=1)
+    public: bool = False
+
+    def build(self) -> Program:
+        """Parse every template and check the structure; raises a ProgramError subclass."""
+        calls = [spec.build(i) for i, spec in enumerate(self.calls)]
+        return Program(calls, public=self.public)
+
+
+class RunSpec(BaseModel):
+    """A program run: input values and the outputs a client waits for, with its criterion.
+
+    An `open` run accepts more calls and inputs later: missing inputs, and names of
+    variables that no call mentions yet, are allowed until it closes.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    program: ProgramSpec
+    inputs: dict[str, str] = Field(default_factory=dict)
+    outputs: dict[str, Criterion] = Field(default_factory=dict)
+    open: bool = False
+
+    def build(self) -> Program:
+        """The program, checked against this run's inputs and outputs."""
+        program = self.program.build()
+        program.check_run(self.inputs, self.outputs, closed=not self.open)
+        return program

@@ -181,14 +181,11 @@ class Program:
         ]
         if produced:
             problems = [
-                f"input {n!r} is produced by call {self.variables[n].producer!r}"
-                for n in produced
+                f"input {n!r} is produced by call {self.variables[n].producer!r}" for n in produced
             ]
             raise ProgramError("; ".join(problems), problems)
         if closed:
             given = set(inputs)
             missing = [n for n in self.inputs if n not in given]
             if missing:
-                raise MissingInputError(
-                    f"inputs never provided: {', '.join(map(repr, missing))}"
-                )
+                raise MissingInputError(f"inputs never provided: {', '.join(map(repr, missing))}")

@@ -1,0 +1,122 @@
+"""Units of work and ORM-to-record conversion shared by the repository parts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from parrot_backend.store.db import WRITE_OPTION
+from parrot_backend.store.models import Call, Run, Tenant, Variable, Workflow
+from parrot_backend.store.records import (
+    CallRecord,
+    RunRecord,
+    TenantRecord,
+    VariableRecord,
+    WorkflowRecord,
+)
+
+
+class StoreBase:
+    """Owns the engine; hands out one session per unit of work."""
+
+    engine: Engine
+
+    def _bind(self, engine: Engine) -> None:
+        self.engine = engine
+        # Records are built before commit, so expiring on commit would only cost reloads.
+        self._reads = sessionmaker(bind=engine, expire_on_commit=False)
+        self._writes = sessionmaker(
+            bind=engine.execution_options(**{WRITE_OPTION: True}), expire_on_commit=False
+        )
+
+    @property
+    def dialect(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+        return self.engine.dialect.name
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        """A write transaction: committed on success, rolled back on any error."""
+        with self._writes.begin() as session:
+            yield session
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        """A read-only transaction (one consistent snapshot on both backends)."""
+        with self._reads.begin() as session:
+            yield session
+
+
+def tenant_record(t: Tenant) -> TenantRecord:
+    """Convert an ORM tenant."""
+    return TenantRecord(id=t.id, name=t.name, created_at=t.created_at)
+
+
+def workflow_record(w: Workflow) -> WorkflowRecord:
+    """Convert an ORM workflow."""
+    return WorkflowRecord(
+        id=w.id,
+        tenant_id=w.tenant_id,
+        name=w.name,
+        version=w.version,
+        program=w.program,
+        public=w.public,
+        created_at=w.created_at,
+    )
+
+
+def run_record(r: Run) -> RunRecord:
+    """Convert an ORM run (summary fields)."""
+    return RunRecord(
+        id=r.id,
+        tenant_id=r.tenant_id,
+        workflow_id=r.workflow_id,
+        status=r.status,
+        open=r.open,
+        objectives=dict(r.objectives or {}),
+        created_at=r.created_at,
+        finished_at=r.finished_at,
+        replay_of=r.replay_of,
+        error=r.error,
+    )
+
+
+def variable_record(v: Variable) -> VariableRecord:
+    """Convert an ORM variable."""
+    return VariableRecord(
+        name=v.name,
+        status=v.status,
+        value=v.value,
+        producer_call=v.producer_call,
+        set_at=v.set_at,
+        error=v.error,
+    )
+
+
+def call_record(c: Call) -> CallRecord:
+    """Convert an ORM call."""
+    return CallRecord(
+        id=c.id,
+        run_id=c.run_id,
+        idx=c.idx,
+        name=c.name,
+        inputs=tuple(c.inputs),
+        outputs=tuple(c.outputs),
+        status=c.status,
+        engine=c.engine,
+        objective=c.objective,
+        task_group=c.task_group,
+        claimed_by=c.claimed_by,
+        lease_expires_at=c.lease_expires_at,
+        attempts=c.attempts,
+        queued_at=c.queued_at,
+        started_at=c.started_at,
+        first_token_at=c.first_token_at,
+        finished_at=c.finished_at,
+        prompt_tokens=c.prompt_tokens,
+        completion_tokens=c.completion_tokens,
+        error=c.error,
+    )

@@ -1,0 +1,56 @@
+"""Column types and status vocabularies shared by the models and the repository."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+
+# JSONB on PostgreSQL (compact, indexable); plain JSON text elsewhere.
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+RUN_STATUSES = ("pending", "running", "done", "failed", "cancelled")
+RUN_UNFINISHED = ("pending", "running")
+RUN_FINISHED = ("done", "failed", "cancelled")
+VARIABLE_STATUSES = ("pending", "ready", "failed")
+CALL_STATUSES = ("pending", "claimed", "running", "done", "failed")
+CALL_HELD = ("claimed", "running")
+OBJECTIVES = ("latency", "throughput")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (the only kind of datetime the store hands out)."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always UTC-aware in Python.
+
+    SQLite has no timezone-aware type, so values are stored there as naive UTC text in one
+    fixed format; that keeps ``<`` comparisons (lease expiry, retention) correct as text.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            # Naive values are taken as UTC rather than local time: the store never makes them.
+            value = value.replace(tzinfo=UTC)
+        value = value.astimezone(UTC)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)

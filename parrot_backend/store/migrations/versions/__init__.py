@@ -1,0 +1,1 @@
+"""Migration revisions (a package so that the wheel ships them)."""

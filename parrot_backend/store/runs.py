@@ -1,0 +1,289 @@
+"""Runs: creation from call descriptors, incremental calls, status, listing, detail, recovery."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from parrot_backend.store.base import (
+    StoreBase,
+    call_record,
+    run_record,
+    variable_record,
+)
+from parrot_backend.store.columns import (
+    OBJECTIVES,
+    RUN_FINISHED,
+    RUN_STATUSES,
+    RUN_UNFINISHED,
+    utcnow,
+)
+from parrot_backend.store.errors import InvalidRequestError, NotFoundError
+from parrot_backend.store.events import append_in
+from parrot_backend.store.models import Call, CallInput, Run, Variable
+from parrot_backend.store.plan import CallPlan, check_producers, parse_calls
+from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun
+
+
+def _insert_calls(
+    s: Session, run_id: str, plans: Sequence[CallPlan], first_idx: int, now: datetime
+) -> None:
+    """Insert calls, their variables (pending when new) and the DAG's input edges."""
+    variables = {v.name: v for v in s.scalars(select(Variable).where(Variable.run_id == run_id))}
+    for offset, plan in enumerate(plans):
+        for name in (*plan.inputs, *plan.outputs):
+            if name not in variables:
+                variables[name] = Variable(run_id=run_id, name=name, status="pending")
+                s.add(variables[name])
+        for out in plan.outputs:
+            variables[out].producer_call = first_idx + offset
+    calls = [
+        Call(
+            run_id=run_id,
+            idx=first_idx + offset,
+            name=plan.name,
+            inputs=list(plan.inputs),
+            outputs=list(plan.outputs),
+            status="pending",
+            objective=plan.objective,
+            task_group=plan.task_group,
+            attempts=0,
+            queued_at=now,
+        )
+        for offset, plan in enumerate(plans)
+    ]
+    s.add_all(calls)
+    s.flush()
+    edges = [
+        {"call_id": call.id, "variable_id": variables[name].id}
+        for call, plan in zip(calls, plans, strict=True)
+        for name in plan.inputs
+    ]
+    if edges:
+        s.execute(insert(CallInput), edges)
+
+
+def _owned_run(s: Session, tenant_id: int, run_id: str) -> Run:
+    run = s.get(Run, run_id)
+    if run is None or run.tenant_id != tenant_id:
+        raise NotFoundError(f"no run {run_id!r}")
+    return run
+
+
+def _detail(s: Session, run: Run) -> RunDetail:
+    variables = s.scalars(
+        select(Variable).where(Variable.run_id == run.id).order_by(Variable.id)
+    )
+    calls = s.scalars(select(Call).where(Call.run_id == run.id).order_by(Call.idx))
+    return RunDetail(
+        run=run_record(run),
+        program=run.program,
+        inputs=dict(run.inputs),
+        variables={v.name: variable_record(v) for v in variables},
+        calls=tuple(call_record(c) for c in calls),
+    )
+
+
+class RunsMixin(StoreBase):
+    """Create runs, add calls, change status, list and inspect runs, find unfinished ones."""
+
+    def create_run(
+        self,
+        tenant_id: int,
+        program: Mapping[str, Any],
+        calls: Sequence[Mapping[str, Any]],
+        inputs: Mapping[str, str] | None = None,
+        objectives: Mapping[str, str] | None = None,
+        *,
+        open: bool = False,
+        workflow_id: int | None = None,
+        replay_of: str | None = None,
+        events: Sequence[tuple[str, Any]] = (),
+    ) -> RunDetail:
+        """Persist a run with its variables and calls (all pending; inputs ready).
+
+        ``calls`` are descriptors ``{"name", "inputs", "outputs", "objective"?,
+        "task_group"?}`` in program order (their position is the call index).
+        ``objectives`` maps output variable names to ``latency`` or ``throughput``.
+        """
+        plans = parse_calls(calls)
+        inputs = dict(inputs or {})
+        objectives = dict(objectives or {})
+        bad = {k: v for k, v in objectives.items() if v not in OBJECTIVES}
+        if bad:
+            raise InvalidRequestError(f"objectives must be one of {OBJECTIVES}: {bad}")
+        check_producers(plans, {}, inputs, 0)
+        now = utcnow()
+        run_id = uuid.uuid4().hex
+        with self._write() as s:
+            if replay_of is not None:
+                _owned_run(s, tenant_id, replay_of)
+            run = Run(
+                id=run_id,
+                tenant_id=tenant_id,
+                workflow_id=workflow_id,
+                program=dict(program),
+                inputs=inputs,
+                objectives=objectives,
+                status="pending",
+                open=open,
+                created_at=now,
+                replay_of=replay_of,
+                event_seq=0,
+            )
+            s.add(run)
+            for name, value in inputs.items():
+                s.add(Variable(run_id=run_id, name=name, value=value, status="ready", set_at=now))
+            s.flush()
+            _insert_calls(s, run_id, plans, 0, now)
+            if events:
+                append_in(s, [(run_id, t, p) for t, p in events], now)
+            s.refresh(run)
+            return _detail(s, run)
+
+    def add_calls(
+        self,
+        tenant_id: int,
+        run_id: str,
+        calls: Sequence[Mapping[str, Any]],
+        *,
+        program: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Append calls to an open run; returns their indices. ``program`` replaces the
+        stored program JSON (the caller's merged program), when given."""
+        plans = parse_calls(calls)
+        with self._write() as s:
+            run = _owned_run(s, tenant_id, run_id)
+            if not run.open:
+                raise InvalidRequestError(f"run {run_id!r} is closed")
+            if run.status in RUN_FINISHED:
+                raise InvalidRequestError(f"run {run_id!r} is {run.status}")
+            rows = s.execute(
+                select(Variable.name, Variable.producer_call, Variable.status).where(
+                    Variable.run_id == run_id
+                )
+            ).all()
+            produced = {n: p for n, p, _ in rows if p is not None}
+            given = [n for n, p, st in rows if p is None and st == "ready"]
+            last = s.scalar(select(func.max(Call.idx)).where(Call.run_id == run_id))
+            first = 0 if last is None else last + 1
+            check_producers(plans, produced, given, first)
+            _insert_calls(s, run_id, plans, first, utcnow())
+            if program is not None:
+                run.program = dict(program)
+            return list(range(first, first + len(plans)))
+
+    def annotate_calls(self, run_id: str, plans: Mapping[int, Mapping[str, Any]]) -> int:
+        """Record the manager's deductions per call index: ``objective`` and ``task_group``."""
+        n = 0
+        with self._write() as s:
+            for idx, plan in plans.items():
+                values = {k: plan[k] for k in ("objective", "task_group") if k in plan}
+                if values.get("objective") not in (None, *OBJECTIVES):
+                    raise InvalidRequestError(f"call {idx}: bad objective {values['objective']!r}")
+                if values:
+                    n += s.execute(
+                        update(Call)
+                        .where(Call.run_id == run_id, Call.idx == idx)
+                        .values(**values)
+                        .execution_options(synchronize_session=False)
+                    ).rowcount
+        return n
+
+    def set_run_status(
+        self,
+        run_id: str,
+        status: str,
+        *,
+        error: str | None = None,
+        events: Sequence[tuple[str, Any]] = (),
+    ) -> bool:
+        """Move a run to ``status``; a finished run never changes again. True when changed.
+        ``events`` are appended in the same transaction only when it changed."""
+        if status not in RUN_STATUSES:
+            raise InvalidRequestError(f"bad run status {status!r}")
+        now = utcnow()
+        values: dict[str, Any] = {"status": status}
+        if status in RUN_FINISHED:
+            values["finished_at"] = now
+        if error is not None:
+            values["error"] = error
+        with self._write() as s:
+            changed = s.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.status.in_(RUN_UNFINISHED), Run.status != status)
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if changed and events:
+                append_in(s, [(run_id, t, p) for t, p in events], now)
+            return bool(changed)
+
+    def cancel_run(self, tenant_id: int, run_id: str) -> bool:
+        """Cancel a tenant's unfinished run; its calls are no longer claimable."""
+        with self._read() as s:
+            _owned_run(s, tenant_id, run_id)
+        return self.set_run_status(run_id, "cancelled", events=[("run_cancelled", None)])
+
+    def close_run(self, tenant_id: int, run_id: str) -> None:
+        """Mark an open run closed: no more calls will be added."""
+        with self._write() as s:
+            _owned_run(s, tenant_id, run_id).open = False
+
+    def get_run(self, tenant_id: int, run_id: str) -> RunDetail:
+        """A tenant's run with variables, calls (the DAG), objectives, task groups, timings."""
+        with self._read() as s:
+            return _detail(s, _owned_run(s, tenant_id, run_id))
+
+    def list_runs(
+        self,
+        tenant_id: int,
+        *,
+        status: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[RunRecord]:
+        """A tenant's runs, newest first."""
+        query = select(Run).where(Run.tenant_id == tenant_id)
+        if status is not None:
+            query = query.where(Run.status == status)
+        query = query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset)
+        with self._read() as s:
+            return [run_record(r) for r in s.scalars(query)]
+
+    def unfinished_runs(self) -> list[UnfinishedRun]:
+        """Runs to resume after a restart (pending/running), all tenants: ready values and
+        the calls not done (a call claimed by a dead process comes back when its lease
+        expires, or at once after :meth:`release_worker_claims`)."""
+        with self._read() as s:
+            runs = s.scalars(
+                select(Run).where(Run.status.in_(RUN_UNFINISHED)).order_by(Run.created_at)
+            ).all()
+            result = []
+            for run in runs:
+                ready = dict(
+                    s.execute(
+                        select(Variable.name, Variable.value).where(
+                            Variable.run_id == run.id, Variable.status == "ready"
+                        )
+                    ).tuples().all()
+                )
+                calls = s.scalars(
+                    select(Call)
+                    .where(Call.run_id == run.id, Call.status != "done")
+                    .order_by(Call.idx)
+                )
+                result.append(
+                    UnfinishedRun(
+                        run=run_record(run),
+                        program=run.program,
+                        ready=ready,
+                        calls=tuple(call_record(c) for c in calls),
+                    )
+                )
+            return result

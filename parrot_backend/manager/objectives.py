@@ -1,0 +1,147 @@
+"""Objective deduction: per-call performance objectives from the application's end-to-end goal.
+
+A client waits for some variables with a criterion, `latency` or `throughput` (a run's
+declared outputs, or a `get(perf=...)`). From those, walking the DAG backwards:
+
+1. **Latency flows upstream.** The producer of a variable waited for with `latency` is a
+   latency call, and so is every call it (transitively) depends on: the value cannot be
+   ready before all of them finish, so each one is on its critical path. In particular a
+   latency call's sole producer inherits latency.
+2. **Fan-in forms task groups.** When a call reads variables from two or more producers
+   that do not depend on one another (the *frontier*: producers that are not ancestors of
+   another producer of the same call), those producers form a **task group**: the consumer
+   starts only when the last of them finishes, so they should finish together. The
+   scheduler gang-schedules a group and batches it for throughput; the group as a whole
+   carries its consumer's objective (latency if any consumer that formed it is latency).
+   Map-reduce maps, and the agents of a multi-agent fan-out/fan-in, are task groups.
+   Groups that share a member are merged, so a call belongs to at most one group.
+3. **Everything else is throughput.** Calls nobody waits on, directly or downstream, and
+   calls feeding only throughput outputs, get `throughput`.
+
+A producer that is an ancestor of another producer of the same consumer is left out of the
+group: it finishes before its descendant anyway, so finishing "together" means nothing.
+The deduction is a pure function of the program and the waits; an open run calls it again
+when calls are added or a client starts waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import networkx as nx
+
+from parrot_backend.program import Criterion, Program, UnknownVariableError
+
+
+@dataclass(slots=True, frozen=True)
+class TaskGroup:
+    """Parallel calls that feed the same consumer(s) and should finish together."""
+
+    id: int
+    members: tuple[str, ...]  # call names, in program order
+    consumers: tuple[str, ...]  # the fan-in calls that formed the group
+    objective: Criterion
+
+
+@dataclass(slots=True, frozen=True)
+class CallObjective:
+    """The deduced objective of one call and the task group it belongs to, if any."""
+
+    objective: Criterion
+    group: int | None = None
+
+
+@dataclass(slots=True)
+class Deduction:
+    """Objectives of every call of a program, and its task groups (ids index `groups`)."""
+
+    calls: dict[str, CallObjective]
+    groups: list[TaskGroup]
+
+    def group_of(self, call: str) -> TaskGroup | None:
+        """The task group of `call`, or None."""
+        gid = self.calls[call].group
+        return None if gid is None else self.groups[gid]
+
+
+def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
+    """Deduce each call's objective from the variables clients wait for.
+
+    Raises UnknownVariableError for a waited name that is not a variable of `program`.
+    """
+    unknown = [name for name in waits if name not in program.variables]
+    if unknown:
+        raise UnknownVariableError(
+            f"waiting for unknown variables: {', '.join(map(repr, unknown))}"
+        )
+    graph = program.call_graph()
+    latency = _latency_calls(program, graph, waits)
+    groups = _task_groups(program, graph, latency)
+    calls = {name: CallObjective("latency" if name in latency else "throughput") for name in graph}
+    for group in groups:
+        for member in group.members:
+            calls[member] = CallObjective(calls[member].objective, group.id)
+    return Deduction(calls, groups)
+
+
+def _latency_calls(program: Program, graph: nx.DiGraph, waits: Mapping[str, Criterion]) -> set[str]:
+    """Producers of latency-waited variables and all their ancestors."""
+    stack = [
+        producer
+        for name, criterion in waits.items()
+        if criterion == "latency" and (producer := program.variables[name].producer) is not None
+    ]
+    seen: set[str] = set()
+    while stack:
+        call = stack.pop()
+        if call not in seen:
+            seen.add(call)
+            stack.extend(graph.predecessors(call))
+    return seen
+
+
+def _task_groups(program: Program, graph: nx.DiGraph, latency: set[str]) -> list[TaskGroup]:
+    """Union the frontier producers of every fan-in call into groups."""
+    parent: dict[str, str] = {}
+
+    def root(call: str) -> str:
+        while parent[call] != call:
+            parent[call] = parent[parent[call]]  # path halving keeps later finds short
+            call = parent[call]
+        return call
+
+    consumers: dict[str, list[str]] = {}  # a member of each group -> its consumers
+    for consumer in graph:
+        producers = list(graph.predecessors(consumer))
+        if len(producers) < 2:
+            continue
+        upstream: set[str] = set()
+        for p in producers:
+            upstream |= nx.ancestors(graph, p)
+        frontier = [p for p in producers if p not in upstream]
+        if len(frontier) < 2:
+            continue
+        for p in frontier:
+            parent.setdefault(p, p)
+        first = root(frontier[0])
+        for p in frontier[1:]:
+            other = root(p)
+            if other != first:
+                parent[other] = first
+        consumers.setdefault(frontier[0], []).append(consumer)
+
+    order = {name: i for i, name in enumerate(program.calls)}
+    members: dict[str, list[str]] = {}
+    for call in sorted(parent, key=order.__getitem__):
+        members.setdefault(root(call), []).append(call)
+    formed_by: dict[str, list[str]] = {}
+    for member, fan_ins in consumers.items():
+        formed_by.setdefault(root(member), []).extend(fan_ins)
+
+    groups: list[TaskGroup] = []
+    for gid, (key, calls) in enumerate(sorted(members.items(), key=lambda kv: order[kv[1][0]])):
+        fan_ins = tuple(sorted(set(formed_by[key]), key=order.__getitem__))
+        objective: Criterion = "latency" if any(c in latency for c in fan_ins) else "throughput"
+        groups.append(TaskGroup(gid, tuple(calls), fan_ins, objective))
+    return groups

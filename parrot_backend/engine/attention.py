@@ -57,15 +57,23 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """k, v: [T, Hkv, D]; write each row at its slot."""
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """q: [T, Hq, D] -> [T, Hq, D]; K/V of the new tokens are already stored."""
 
@@ -97,8 +105,9 @@ class TorchAttention(AttentionBackend):
             k = flat_k[slots].transpose(1, 2).repeat_interleave(groups, dim=1)
             v = flat_v[slots].transpose(1, 2).repeat_interleave(groups, dim=1)
             qd = q[rows].unsqueeze(2)  # [n, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype),
-                                               attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(
+                qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+            )
             out[rows] = o.squeeze(2)
         for i in prefill:
             s, e = meta.query_start[i], meta.query_start[i + 1]
@@ -112,8 +121,9 @@ class TorchAttention(AttentionBackend):
             pos_q = torch.arange(n_ctx - n_new, n_ctx, device=q.device).unsqueeze(1)
             pos_k = torch.arange(n_ctx, device=q.device).unsqueeze(0)
             mask = pos_k <= pos_q
-            o = F.scaled_dot_product_attention(qn, k.to(q.dtype), v.to(q.dtype),
-                                               attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(
+                qn, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+            )
             out[s:e] = o.transpose(0, 1)
         return out
 

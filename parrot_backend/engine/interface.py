@@ -62,16 +62,24 @@ class EngineClient(Protocol):
     model_name: str
 
     async def fill(
-        self, context_id: ContextId, parent_id: ContextId | None, token_ids: list[int],
-        *, salt: str | None = None,
+        self,
+        context_id: ContextId,
+        parent_id: ContextId | None,
+        token_ids: list[int],
+        *,
+        salt: str | None = None,
     ) -> int:
         """Append tokens to a context (creating it, forked from `parent_id`, if new) and
         compute their KV. Returns the context's length in tokens."""
         ...
 
     def generate(
-        self, context_id: ContextId, parent_id: ContextId | None, sampling: SamplingParams,
-        *, salt: str | None = None,
+        self,
+        context_id: ContextId,
+        parent_id: ContextId | None,
+        sampling: SamplingParams,
+        *,
+        salt: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Generate into a context (creating it from `parent_id` if new); the generated
         tokens stay in the context. Closing the iterator early cancels the generation."""
@@ -81,11 +89,8 @@ class EngineClient(Protocol):
         """Release a context. Blocks shared with other contexts stay alive."""
         ...
 
-    async def stats(self) -> EngineStats:
-        ...
+    async def stats(self) -> EngineStats: ...
 
-    def tokenize(self, text: str) -> list[int]:
-        ...
+    def tokenize(self, text: str) -> list[int]: ...
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        ...
+    def detokenize(self, token_ids: list[int]) -> str: ...

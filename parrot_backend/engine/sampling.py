@@ -35,7 +35,12 @@ class SamplingParams:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
         p = self.top_p
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not math.isfinite(p) or not 0 < p <= 1:
+        if (
+            not isinstance(p, (int, float))
+            or isinstance(p, bool)
+            or not math.isfinite(p)
+            or not 0 < p <= 1
+        ):
             raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -44,13 +49,17 @@ class SamplingParams:
         if k > limit:
             raise InvalidRequest(f"top_k must be <= {limit} (the vocabulary size), got {k}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**63
         ):
             raise InvalidRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and (vocab_size is None or 0 <= i < vocab_size)
+            isinstance(i, int)
+            and not isinstance(i, bool)
+            and (vocab_size is None or 0 <= i < vocab_size)
             for i in self.stop_token_ids
         ):
             raise InvalidRequest("stop_token_ids must be a list of token ids inside the vocabulary")

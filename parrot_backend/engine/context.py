@@ -1,0 +1,81 @@
+"""Contexts (a tree of KV sequences) and the requests that work on them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .block_pool import chain_hash, root_hash
+from .detokenizer import Detokenizer
+from .sampling import Sampler, SamplingParams
+
+
+class Context:
+    """A token sequence whose KV lives in paged blocks.
+
+    A child forked from a parent starts with the parent's tokens and shares its blocks by
+    refcount; it appends its own. `num_computed` tokens have KV in the blocks; the rest
+    (e.g. the last sampled token) are computed by the next request on this context.
+    """
+
+    def __init__(
+        self, cid: Hashable, parent: Context | None, salt: str | None, block_size: int
+    ) -> None:
+        self.id = cid
+        self.block_size = block_size
+        self.parent = parent
+        self.children: set[Hashable] = set()
+        self.salt = parent.salt if parent is not None and salt is None else salt
+        self.tokens: list[int] = list(parent.tokens) if parent is not None else []
+        self.fork_len = len(self.tokens)
+        self.blocks: list[int] = []
+        self.num_computed = 0
+        self.kept_blocks = 0  # leading full blocks shared with the parent; kept on preemption
+        self.attached = parent is None  # blocks inherited from the parent yet?
+        self.queue: deque[Request] = deque()  # pending requests; the head one is active
+        self.freed = False
+        self._hashes: list[int] = []  # chain hash after each full block
+
+    def block_hash(self, k: int) -> int:
+        """Chain hash of the first k full blocks (the salt starts the chain)."""
+        if k == 0:
+            return root_hash(self.salt)
+        bs = self.block_size
+        while len(self._hashes) < k:
+            j = len(self._hashes)
+            prev = self._hashes[-1] if self._hashes else root_hash(self.salt)
+            self._hashes.append(chain_hash(prev, tuple(self.tokens[j * bs : (j + 1) * bs])))
+        return self._hashes[k - 1]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """A fill or a generate on one context, queued until the scheduler runs it."""
+
+    kind: str  # "fill" | "generate"
+    ctx: Context
+    sampling: SamplingParams | None = None
+    sampler: Sampler | None = None
+    detok: Detokenizer | None = None
+    future: asyncio.Future | None = None  # fill: resolved with the context length
+    out: asyncio.Queue | None = None  # generate: TokenDelta items, or an exception
+    seq: int = field(default_factory=lambda: next(_ids))
+    priority: int = 0  # lower runs first (latency-critical work)
+    generated: int = 0
+    done: bool = False
+    eos_ids: frozenset[int] = frozenset()
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to compute before this request can finish or sample."""
+        return len(self.ctx.tokens) - self.ctx.num_computed

@@ -1,0 +1,197 @@
+"""Iteration-level scheduling over the context tree (continuous batching).
+
+Each step takes every running decode (one token each), then prefill chunks, under a
+token budget (chunked prefill). A request joins the running set when it heads its
+context's queue and, for a forked context, when its parent has no work queued (so the
+child inherits the parent's computed blocks). When blocks run out the newest running
+request is preempted: its unshared blocks are released and later recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .block_pool import BlockPool
+from .context import Context, Request
+from .errors import OutOfMemory
+
+
+@dataclass(slots=True)
+class Work:
+    """One sequence's share of a step: compute tokens [start, start + n) of its context."""
+
+    req: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the context, so the step samples a token."""
+        return self.req.kind == "generate" and self.start + self.n == len(self.req.ctx.tokens)
+
+
+class Scheduler:
+    """Decides what each step computes; owns the running and waiting sets."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        copy_block: Callable[[int, int], None],
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Work], list[Request], list[tuple[Request, Exception]]]:
+        """Plan one step. Returns (work, finished fills, failed requests)."""
+        finished: list[Request] = []
+        failed: list[tuple[Request, Exception]] = []
+        self._admit()
+        budget = self.max_batched_tokens
+        work: list[Work] = []
+        planned: set[int] = set()
+        # decodes first (one token each), then prefills; both by priority, then arrival
+        order = sorted(self.running, key=lambda r: (r.pending > 1, r.priority, r.seq))
+        for req in order:
+            if req not in self.running:
+                continue  # preempted while planning an earlier request
+            ctx = req.ctx
+            if req.kind == "generate" and req.pending == 0:
+                ctx.num_computed -= 1  # logits of the last token are needed: recompute it
+            if req.pending == 0:
+                self.running.remove(req)
+                finished.append(req)
+                continue
+            n = min(req.pending, budget)
+            if n == 0:
+                break
+            if not self._reserve(req, ctx.num_computed, n, planned):
+                if not work:  # alone and still too big: waiting would never help
+                    self.running.remove(req)
+                    failed.append(
+                        (
+                            req,
+                            OutOfMemory(
+                                f"the KV pool ({self.pool.num_blocks} blocks of {self.pool.block_size} "
+                                f"tokens) cannot hold this request's {len(ctx.tokens)} tokens"
+                            ),
+                        )
+                    )
+                continue
+            work.append(Work(req, ctx.num_computed, n))
+            planned.add(id(req))
+            budget -= n
+        return work, finished, failed
+
+    def _admit(self) -> None:
+        for req in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                return
+            ctx = req.ctx
+            if ctx.queue[0] is not req:
+                continue  # an earlier request on this context goes first
+            if not ctx.attached:
+                if ctx.parent.busy:
+                    continue  # fork once the parent's queued work is done
+                self._attach(ctx)
+            self._match_prefix(ctx)
+            self.waiting.remove(req)
+            self.running.append(req)
+
+    def _attach(self, ctx: Context) -> None:
+        parent, bs = ctx.parent, self.pool.block_size
+        n = min(parent.num_computed, ctx.fork_len)
+        ctx.blocks = parent.blocks[: (n + bs - 1) // bs]
+        for b in ctx.blocks:
+            self.pool.incref(b)
+        ctx.num_computed = n
+        ctx.kept_blocks = n // bs
+        ctx.attached = True
+
+    def _match_prefix(self, ctx: Context) -> None:
+        """Take cached full blocks for the next uncomputed part of the context."""
+        bs = self.pool.block_size
+        if not self.pool.prefix_cache or ctx.num_computed % bs:
+            return
+        while ctx.num_computed + bs <= len(ctx.tokens):
+            k = ctx.num_computed // bs
+            toks = tuple(ctx.tokens[k * bs : (k + 1) * bs])
+            block = self.pool.lookup(ctx.block_hash(k), toks)
+            if block is None:
+                return
+            if k < len(ctx.blocks):
+                self.pool.decref(ctx.blocks[k])
+                ctx.blocks[k] = block
+            else:
+                ctx.blocks.append(block)
+            ctx.num_computed += bs
+
+    def _reserve(self, req: Request, start: int, n: int, planned: set[int]) -> bool:
+        """Make blocks [start, start + n) writable for this context, preempting if needed."""
+        ctx, bs = req.ctx, self.pool.block_size
+        first, last = start // bs, (start + n - 1) // bs
+        shared = [
+            j
+            for j in range(first, min(last + 1, len(ctx.blocks)))
+            if self.pool.ref[ctx.blocks[j]] > 1
+        ]
+        new = max(0, last + 1 - len(ctx.blocks))
+        while self.pool.num_free < len(shared) + new:
+            victim = self._victim(req, planned)
+            if victim is None:
+                return False
+            self.preempt(victim)
+            # the victim may have shared blocks with this context; recount
+            shared = [
+                j
+                for j in range(first, min(last + 1, len(ctx.blocks)))
+                if self.pool.ref[ctx.blocks[j]] > 1
+            ]
+        for j in shared:
+            dst = self.pool.allocate()
+            self.copy_block(ctx.blocks[j], dst)
+            self.pool.decref(ctx.blocks[j])
+            ctx.blocks[j] = dst
+        for _ in range(new):
+            ctx.blocks.append(self.pool.allocate())
+        return True
+
+    def _victim(self, req: Request, planned: set[int]) -> Request | None:
+        """The newest, least urgent running request not already in this step's batch."""
+        candidates = [r for r in self.running if id(r) not in planned and r is not req]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: (r.priority, r.seq))
+
+    def preempt(self, req: Request) -> None:
+        """Release the request's unshared blocks; it recomputes them when it runs again."""
+        ctx = req.ctx
+        for b in ctx.blocks[ctx.kept_blocks :]:
+            self.pool.decref(b)
+        del ctx.blocks[ctx.kept_blocks :]
+        ctx.num_computed = min(ctx.num_computed, ctx.kept_blocks * self.pool.block_size)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1

@@ -107,7 +107,7 @@ class CallsMixin(StoreBase):
             tenants = dict(
                 s.execute(
                     select(Run.id, Run.tenant_id).where(Run.id.in_({c.run_id for c in calls}))
-                ).tuples().all()
+                ).all()
             )
             claimed = []
             for call in calls:
@@ -116,7 +116,7 @@ class CallsMixin(StoreBase):
                         select(Variable.name, Variable.value).where(
                             Variable.run_id == call.run_id, Variable.name.in_(call.inputs)
                         )
-                    ).tuples().all()
+                    ).all()
                 )
                 claimed.append(ClaimedCall(call_record(call), tenants[call.run_id], values))
             return claimed

@@ -271,7 +271,7 @@ class RunsMixin(StoreBase):
                         select(Variable.name, Variable.value).where(
                             Variable.run_id == run.id, Variable.status == "ready"
                         )
-                    ).tuples().all()
+                    ).all()
                 )
                 calls = s.scalars(
                     select(Call)

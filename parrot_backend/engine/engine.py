@@ -37,7 +37,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: size the pool from memory
     kv_memory_fraction: float = 0.1  # of available memory, when num_blocks is None
-    kv_memory_max_bytes: int = 2 * GiB  # cap on CPU, where memory is shared with everything
+    kv_memory_max_bytes: int = 1 * GiB  # cap on CPU, where memory is shared with everything
     max_num_seqs: int = 64
     max_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -101,9 +101,11 @@ class CallsMixin(StoreBase):
                 )
                 .execution_options(synchronize_session=False)
             )
-            calls = s.scalars(
-                select(Call).where(Call.id.in_(ids), Call.claimed_by == worker).order_by(Call.id)
-            ).all()
+            rank = {call_id: i for i, call_id in enumerate(ids)}
+            calls = sorted(
+                s.scalars(select(Call).where(Call.id.in_(ids), Call.claimed_by == worker)),
+                key=lambda c: rank[c.id],  # keep the priority order of the candidates
+            )
             tenants = dict(
                 s.execute(
                     select(Run.id, Run.tenant_id).where(Run.id.in_({c.run_id for c in calls}))

@@ -1,0 +1,173 @@
+"""Claims: readiness, leases, fencing, and concurrent claimers never sharing a call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import URL
+from store_helpers import chain_calls, fan_calls, url_text
+
+from parrot_backend.store import Store
+from parrot_backend.store.columns import utcnow
+
+CLAIMER = Path(__file__).with_name("claimer_proc.py")
+
+
+def test_only_ready_calls_are_claimed_in_dag_order(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, chain_calls(3), {"x0": "a"}).run.id
+    (first,) = store.claim_calls("w", limit=10)
+    assert first.call.idx == 0 and first.input_values == {"x0": "a"}
+    assert first.call.status == "claimed" and first.call.attempts == 1
+    assert first.tenant_id == tenant
+    assert store.claim_calls("w", limit=10) == []  # c1 waits for x1
+    assert store.mark_call_started(first.call.id, "w", engine="e0") is True
+    assert store.mark_call_first_token(first.call.id, "w") is True
+    result = store.finish_call(
+        first.call.id, "w", {"x1": "b"}, prompt_tokens=5, completion_tokens=7,
+        events=[("variable", {"name": "x1"})],
+    )
+    assert result.accepted and result.changed == ("x1",) and result.seqs == (1,)
+    (second,) = store.claim_calls("w", limit=10)
+    assert second.call.idx == 1 and second.input_values == {"x1": "b"}
+    done = store.get_run(tenant, run).calls[0]
+    assert (done.status, done.engine, done.prompt_tokens, done.completion_tokens) == (
+        "done", "e0", 5, 7,
+    )
+    assert done.queued_at <= done.started_at <= done.first_token_at <= done.finished_at
+
+
+def test_latency_calls_first_and_cancelled_runs_skipped(store: Store, tenant: int) -> None:
+    calls = fan_calls(3)
+    calls[2]["objective"] = "latency"
+    run = store.create_run(tenant, {}, calls, {"q": "?"}).run.id
+    other = store.create_run(tenant, {}, fan_calls(2), {"q": "?"}).run.id
+    claimed = store.claim_calls("w", limit=2)
+    assert [c.call.idx for c in claimed] == [2, 0]
+    store.cancel_run(tenant, other)
+    rest = store.claim_calls("w", limit=10)
+    assert [(c.call.run_id, c.call.idx) for c in rest] == [(run, 1)]
+
+
+def test_expired_lease_is_reclaimable_and_stale_worker_fenced(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, chain_calls(1), {"x0": "a"}).run.id
+    t0 = utcnow()
+    (a,) = store.claim_calls("A", lease_s=10, now=t0)
+    assert store.claim_calls("B", now=t0 + timedelta(seconds=5)) == []
+    assert store.renew_lease("A", [a.call.id], lease_s=10, now=t0 + timedelta(seconds=5)) == [
+        a.call.id
+    ]
+    assert store.claim_calls("B", now=t0 + timedelta(seconds=12)) == []  # renewed to t0+15
+    (b,) = store.claim_calls("B", now=t0 + timedelta(seconds=16))
+    assert b.call.id == a.call.id and b.call.attempts == 2 and b.call.claimed_by == "B"
+    # A lost its claim: nothing it records is accepted.
+    assert store.mark_call_started(a.call.id, "A") is False
+    assert store.renew_lease("A", [a.call.id]) == []
+    assert store.finish_call(a.call.id, "A", {"x1": "from A"}).accepted is False
+    assert store.fail_call(a.call.id, "A", "boom") is False
+    assert store.finish_call(b.call.id, "B", {"x1": "from B"}).accepted is True
+    assert store.get_variable(tenant, run, "x1").value == "from B"
+    # Recording twice is refused: the output is recorded once.
+    assert store.finish_call(b.call.id, "B", {"x1": "again"}).accepted is False
+    assert store.get_variable(tenant, run, "x1").value == "from B"
+
+
+def test_ready_output_is_never_overwritten_by_a_rerun(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, chain_calls(1), {"x0": "a"}).run.id
+    # A client (or an earlier attempt) already produced x1; the call still completes.
+    assert store.set_variable(run, "x1", "first") is True
+    (c,) = store.claim_calls("w")
+    result = store.finish_call(c.call.id, "w", {"x1": "second"})
+    assert result.accepted and result.changed == ()
+    assert store.get_variable(tenant, run, "x1").value == "first"
+
+
+def test_release_and_fail(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(3), {"q": "?"}).run.id
+    t0 = utcnow()
+    held = store.claim_calls("dead", limit=3, lease_s=1, now=t0)
+    assert len(held) == 3
+    assert store.release_expired_claims(now=t0) == 0
+    assert store.release_expired_claims(now=t0 + timedelta(seconds=2)) == 3
+    again = store.claim_calls("alive", limit=3)
+    assert store.release_worker_claims("alive") == 3
+    again = store.claim_calls("alive", limit=3)
+    assert [c.call.attempts for c in again] == [3, 3, 3]
+    assert store.fail_call(again[0].call.id, "alive", "oom", retry=True) is True
+    assert store.fail_call(again[1].call.id, "alive", "bad prompt") is True
+    detail = store.get_run(tenant, run)
+    assert [c.status for c in detail.calls] == ["pending", "failed", "claimed"]
+    assert detail.variables["a1"].status == "failed" and detail.calls[1].error == "bad prompt"
+
+
+def _drain(store: Store, worker: str, seen: list[int]) -> None:
+    idle = 0
+    while idle < 3:
+        claimed = store.claim_calls(worker, limit=2, lease_s=60)
+        if not claimed:
+            idle += 1
+            time.sleep(0.005)
+            continue
+        idle = 0
+        for c in claimed:
+            seen.append(c.call.id)
+            assert store.finish_call(c.call.id, worker, {c.call.outputs[0]: worker}).accepted
+
+
+def _check_exclusive(store: Store, tenant: int, run: str, claims: dict[str, list[int]]) -> None:
+    everyone = [i for ids in claims.values() for i in ids]
+    detail = store.get_run(tenant, run)
+    assert sorted(everyone) == sorted(c.id for c in detail.calls)  # each call claimed once
+    assert all(c.status == "done" and c.attempts == 1 for c in detail.calls)
+    for worker, ids in claims.items():
+        for call in detail.calls:
+            if call.id in ids:
+                assert detail.variables[call.outputs[0]].value == worker
+
+
+def test_threads_never_claim_the_same_call(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(60), {"q": "?"}).run.id
+    claims: dict[str, list[int]] = {f"w{i}": [] for i in range(4)}
+    threads = [threading.Thread(target=_drain, args=(store, w, ids)) for w, ids in claims.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _check_exclusive(store, tenant, run, claims)
+
+
+def test_processes_never_claim_the_same_call(
+    store: Store, tenant: int, db_url: URL, tmp_path: Path
+) -> None:
+    n = 80
+    run = store.create_run(tenant, {}, fan_calls(n), {"q": "?"}).run.id
+    go = tmp_path / "go"
+    procs = {
+        w: subprocess.Popen(
+            [sys.executable, str(CLAIMER), url_text(db_url), w, str(go), str(tmp_path / w)]
+        )
+        for w in ("p1", "p2")
+    }
+    # Both processes are started (imports done, waiting on the file) before the race begins.
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"{w}.ready").exists() for w in procs):
+        assert time.monotonic() < deadline, "claimer processes did not start"
+        time.sleep(0.02)
+    go.touch()
+    for p in procs.values():
+        assert p.wait(timeout=60) == 0
+    claims = {w: json.loads((tmp_path / w).read_text()) for w in procs}
+    _check_exclusive(store, tenant, run, claims)
+    assert all(claims.values()), f"one process got no call: {[len(v) for v in claims.values()]}"
+
+
+@pytest.mark.parametrize("limit", [1, 5])
+def test_claim_limit(store: Store, tenant: int, limit: int) -> None:
+    store.create_run(tenant, {}, fan_calls(7), {"q": "?"})
+    assert len(store.claim_calls("w", limit=limit)) == limit

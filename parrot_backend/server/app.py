@@ -1,0 +1,72 @@
+"""`create_app`: the FastAPI application around one engine."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from ..engine.interface import EngineClient
+from . import openai_api, ops
+from .auth import Authenticator, AuthMiddleware
+from .errors import install_error_handlers
+from .limits import BodyLimitMiddleware, InflightLimiter
+from .metrics import ServerMetrics
+from .settings import ServerSettings
+from .state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+async def _maybe_await(value: object) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+def create_app(engine: EngineClient, *, settings: ServerSettings | None = None) -> FastAPI:
+    """Build the app. With `settings.manage_engine` the lifespan starts and stops the engine;
+    otherwise the caller owns it. Raises ValueError for unsafe settings (auth off on a
+    non-loopback host)."""
+    settings = settings or ServerSettings()
+    settings.check()
+    metrics = ServerMetrics()
+    authenticator = Authenticator(settings)
+    state = ServerState(
+        engine=engine,
+        settings=settings,
+        metrics=metrics,
+        limiter=InflightLimiter(settings.max_inflight, settings.retry_after_s),
+        authenticator=authenticator,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.manage_engine:
+            await _maybe_await(engine.start())
+        try:
+            yield
+        finally:
+            if settings.manage_engine:
+                await _maybe_await(engine.stop())
+
+    app = FastAPI(
+        title="parrot-backend",
+        summary="Application-aware LLM serving (Parrot) with an OpenAI-compatible API",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.parrot = state
+    install_error_handlers(app)
+    app.include_router(ops.router)
+    app.include_router(openai_api.router)
+    # Added last = outermost: auth first (cheap, rejects strangers before we buffer their
+    # bodies), then the body limit, then FastAPI.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       on_reject=metrics.reject)
+    app.add_middleware(AuthMiddleware, authenticator=authenticator, on_reject=metrics.reject)
+    if not settings.auth_enabled:
+        log.warning("API authentication is off (loopback only: %s)", settings.host)
+    return app

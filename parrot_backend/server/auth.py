@@ -1,0 +1,116 @@
+"""Bearer API keys, checked in an ASGI middleware so every route is closed by default.
+
+A route added later (the native API, the engine API) is protected without anyone
+remembering a dependency; only the paths in `OPEN_PATHS` answer without a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import json
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import error_body
+from .settings import ServerSettings
+
+OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+LOCAL_TENANT = "local"  # the tenant of every request when auth is off (loopback only)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class Authenticator:
+    """Resolves a bearer key to a tenant through the static keys, then the pluggable lookup."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.enabled = settings.auth_enabled
+        # Look keys up by digest so the dict probe does not compare secrets byte by byte.
+        self._keys = {_digest(k): tenant for k, tenant in settings.api_keys.items()}
+        self._lookup = settings.key_lookup
+
+    async def tenant_for(self, key: str | None) -> str | None:
+        if not self.enabled:
+            return LOCAL_TENANT
+        if not key:
+            return None
+        tenant = self._keys.get(_digest(key))
+        if tenant is not None:
+            return tenant
+        if self._lookup is not None:
+            found = self._lookup(key)
+            if inspect.isawaitable(found):
+                found = await found
+            return found or None
+        return None
+
+
+def bearer_key(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header, or None."""
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    if not hmac.compare_digest(scheme.lower(), "bearer"):
+        return None
+    return value.strip() or None
+
+
+class AuthMiddleware:
+    """Rejects requests without a valid key (401) and stores the tenant in `request.state`."""
+
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, on_reject=None) -> None:
+        self.app = app
+        self.authenticator = authenticator
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        if scope["path"] in OPEN_PATHS:
+            state["tenant"] = None
+            await self.app(scope, receive, send)
+            return
+        header = Request(scope).headers.get("authorization")
+        tenant = await self.authenticator.tenant_for(bearer_key(header))
+        if tenant is None:
+            if self.on_reject is not None:
+                self.on_reject("auth")
+            await _send_401(scope, send, header is None)
+            return
+        state["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
+async def _send_401(scope: Scope, send: Send, missing: bool) -> None:
+    message = (
+        "missing API key: send 'Authorization: Bearer <key>'" if missing
+        else "invalid API key"
+    )
+    body = json.dumps(error_body(message, "authentication_error", None, "invalid_api_key"))
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await send({
+        "type": "http.response.start",
+        "status": 401,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"www-authenticate", b'Bearer realm="parrot"'),
+            (b"content-length", str(len(body)).encode()),
+        ],
+    })
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+def tenant_salt(secret: bytes, tenant: str) -> str:
+    """The prefix-cache salt for a tenant: derived by the server, never chosen by a client,
+    so one tenant cannot probe another's cached prefixes through timing."""
+    digest = hmac.new(secret, tenant.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return digest.hexdigest()[:32]

@@ -1,0 +1,199 @@
+"""One admitted request on the engine: its contexts, choices, metrics and guaranteed cleanup.
+
+Every request gets fresh context ids and frees them in `close()`, which every exit path
+calls (normal end, error, client disconnect, a response that never started). Closing the
+engine's iterator is what cancels the generation, so a vanished client stops decoding at
+the engine's next step instead of running to max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+
+from ..engine.errors import ContextNotFound
+from ..engine.interface import EngineClient, TokenDelta
+from ..engine.sampling import SamplingParams
+from .limits import Slot
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+CLEANUP_TIMEOUT_S = 10.0
+_DONE = object()
+
+
+async def _aclose(iterator: object) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception as exc:  # cleanup must go on to free the context
+        log.warning("closing an engine iterator failed: %r", exc)
+
+
+class RequestRun:
+    """Runs `n` choices of one prompt and yields `(choice_index, TokenDelta)`.
+
+    n == 1 generates straight into the prompt's context. n > 1 fills the prompt once and
+    forks one child context per choice, so the choices share the prompt's KV blocks.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        salt: str | None,
+        metrics: ServerMetrics,
+        endpoint: str,
+        slot: Slot,
+        started: float,
+    ) -> None:
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.n = n
+        self.salt = salt
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self._slot = slot
+        self.started = started
+        self.root_id = f"oai-{uuid.uuid4().hex}"
+        self.child_ids = [self.root_id] if n == 1 else [f"{self.root_id}/{i}" for i in range(n)]
+        self.completion_tokens = [0] * n
+        self.finish_reasons: list[str | None] = [None] * n
+        self.first_token_at: float | None = None
+        self._filled = False
+        self._iter: AsyncIterator[TokenDelta] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._queue: asyncio.Queue | None = None
+        self._live = 0
+        self._closed = False
+        metrics.requests_running.inc()
+        metrics.prompt_tokens.inc(len(prompt_ids))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def total_completion_tokens(self) -> int:
+        return sum(self.completion_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+    async def prefill(self) -> None:
+        """Compute the prompt's KV. Errors here still reach the client as an HTTP status."""
+        self._filled = True  # set first: a fill that fails half-way may have created it
+        await self.engine.fill(self.root_id, None, self.prompt_ids, salt=self.salt)
+
+    def _sampling_for(self, index: int) -> SamplingParams:
+        # With a seed, each choice gets its own (seed + index) so n choices differ but the
+        # whole response stays reproducible.
+        if self.sampling.seed is None or index == 0:
+            return self.sampling
+        seed = (self.sampling.seed + index) % 2**63
+        return dataclasses.replace(self.sampling, seed=seed)
+
+    def __aiter__(self) -> RequestRun:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenDelta]:
+        if self.n == 1:
+            if self._iter is None:
+                self._iter = aiter(self.engine.generate(self.root_id, None, self.sampling,
+                                                        salt=self.salt))
+            delta = await anext(self._iter)
+            return self._record(0, delta)
+        if self._queue is None:
+            self._start_pumps()
+        while self._live:
+            index, item = await self._queue.get()
+            if item is _DONE:
+                self._live -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return self._record(index, item)
+        raise StopAsyncIteration
+
+    def _record(self, index: int, delta: TokenDelta) -> tuple[int, TokenDelta]:
+        if delta.token_id is not None:
+            self.completion_tokens[index] += 1
+            self.metrics.tokens_generated.inc()
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.metrics.ttft.labels(endpoint=self.endpoint).observe(
+                    self.first_token_at - self.started)
+        if delta.finish_reason is not None:
+            self.finish_reasons[index] = delta.finish_reason
+        return index, delta
+
+    def _start_pumps(self) -> None:
+        # Bounded: a slow client backs up into the pumps instead of growing memory.
+        self._queue = asyncio.Queue(maxsize=64 * self.n)
+        self._live = self.n
+        for i, child in enumerate(self.child_ids):
+            self._tasks.append(asyncio.create_task(self._pump(i, child)))
+
+    async def _pump(self, index: int, child_id: str) -> None:
+        assert self._queue is not None
+        iterator = self.engine.generate(child_id, self.root_id, self._sampling_for(index),
+                                        salt=self.salt)
+        try:
+            async for delta in iterator:
+                await self._queue.put((index, delta))
+            await self._queue.put((index, _DONE))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._queue.put((index, exc))
+        finally:
+            await _aclose(iterator)
+
+    async def close(self) -> None:
+        """Stop generating and free every context; idempotent, safe under cancellation."""
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded: this often runs while the request's scope is being cancelled (client
+        # gone), and an unshielded await there would be cancelled before freeing anything.
+        with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._iter is not None:
+                await _aclose(self._iter)
+            if self._filled:
+                ids = self.child_ids[:] if self.n > 1 else []
+                for ctx in [*ids, self.root_id]:  # children before their parent
+                    await self._free(ctx)
+        if scope.cancel_called:
+            log.error("cleanup of %s timed out after %ss", self.root_id, CLEANUP_TIMEOUT_S)
+        self._slot.release()
+        self.metrics.requests_running.dec()
+        outcome = "finished" if self.finished else "aborted"
+        self.metrics.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
+        self.metrics.latency.labels(endpoint=self.endpoint).observe(
+            time.perf_counter() - self.started)
+
+    async def _free(self, ctx: str) -> None:
+        try:
+            await self.engine.free(ctx)
+        except ContextNotFound:
+            pass  # never created (a child that did not start) or already gone
+        except Exception as exc:
+            log.error("freeing context %s failed: %r", ctx, exc)

@@ -1,0 +1,120 @@
+"""Request size and concurrency limits: the server says 413/429 instead of falling over."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import APIError, error_body
+
+
+class BodyLimitMiddleware:
+    """Buffers each request body up to `max_bytes` and answers 413 beyond it.
+
+    Buffering here (rather than counting inside the route) means the 413 is decided before
+    FastAPI parses anything, whatever the Content-Length claims or a chunked body carries.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, on_reject=None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._reject(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left while sending; nothing to answer
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._reject(send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as usual
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send: Send) -> None:
+        if self.on_reject is not None:
+            self.on_reject("body_too_large")
+        body = json.dumps(error_body(
+            f"request body too large: the limit is {self.max_bytes} bytes",
+            "invalid_request_error", None, "body_too_large",
+        )).encode()
+        await send({
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close")],
+        })
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class InflightLimiter:
+    """Bounds the generating requests; beyond the bound a request gets 429 + Retry-After.
+
+    Rejecting at once (instead of queueing) keeps memory bounded and tells load balancers
+    and clients to back off while the engine is saturated.
+    """
+
+    def __init__(self, limit: int, retry_after_s: int) -> None:
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.inflight = 0
+
+    def acquire(self) -> Slot:
+        if self.inflight >= self.limit:
+            raise APIError(
+                429,
+                f"server busy: {self.inflight} requests in flight (limit {self.limit}); "
+                "retry later",
+                code="server_overloaded",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        self.inflight += 1
+        return Slot(self)
+
+
+class Slot:
+    """One admitted request; `release()` is idempotent so every exit path may call it."""
+
+    __slots__ = ("_limiter",)
+
+    def __init__(self, limiter: InflightLimiter) -> None:
+        self._limiter: InflightLimiter | None = limiter
+
+    def release(self) -> None:
+        if self._limiter is not None:
+            self._limiter.inflight -= 1
+            self._limiter = None

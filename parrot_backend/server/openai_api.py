@@ -1,0 +1,260 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..engine.errors import EngineError
+from ..engine.sampling import SamplingParams
+from .errors import APIError, from_engine_error
+from .generation import RequestRun
+from .openai_prep import (
+    build_sampling,
+    chat_prompt,
+    check_common,
+    completion_prompt,
+    resolve_max_tokens,
+)
+from .openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from .sse import DONE_FRAME, ClosingEventSourceResponse, data_frame
+from .state import ServerState, StateDep, get_tenant
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_STREAM_DOC = {200: {"content": {"text/event-stream": {}},
+                     "description": "JSON, or SSE `data:` chunks ending in `data: [DONE]` "
+                                    "when `stream` is true"}}
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(state: StateDep) -> ModelList:
+    return ModelList(data=[_card(state)])
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard)
+async def get_model(model_id: str, state: StateDep) -> ModelCard:
+    if model_id != state.model_name:
+        raise APIError(404, f"The model '{model_id}' does not exist", param="model",
+                       code="model_not_found")
+    return _card(state)
+
+
+def _card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.model_name, created=state.created,
+                     max_model_len=state.max_model_len)
+
+
+async def _admit(state: ServerState, request: Request, prompt_ids: list[int],
+                 sampling: SamplingParams, n: int, endpoint: str, started: float) -> RequestRun:
+    """Take an in-flight slot (429 beyond the bound) and prefill the prompt."""
+    try:
+        slot = state.limiter.acquire()
+    except APIError:
+        state.metrics.reject("overloaded")
+        raise
+    run = RequestRun(
+        state.engine, prompt_ids=prompt_ids, sampling=sampling, n=n,
+        salt=state.salt_for(get_tenant(request)), metrics=state.metrics,
+        endpoint=endpoint, slot=slot, started=started,
+    )
+    try:
+        await run.prefill()
+    except BaseException:
+        await run.close()
+        raise
+    return run
+
+
+async def _collect(run: RequestRun, request: Request) -> list[str] | None:
+    """Run to the end, or return None as soon as the client disconnects (which cancels
+    the engine's work through run.close() in the caller)."""
+    texts: list[list[str]] = [[] for _ in range(run.n)]
+    error: Exception | None = None
+    disconnected = False
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            nonlocal disconnected
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    disconnected = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        try:
+            async for index, delta in run:
+                texts[index].append(delta.text)
+        except Exception as exc:  # re-raised below, outside the task group's wrapping
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    if disconnected:
+        return None
+    return ["".join(t) for t in texts]
+
+
+def _usage(run: RequestRun) -> Usage:
+    return Usage(prompt_tokens=run.prompt_tokens, completion_tokens=run.total_completion_tokens,
+                 total_tokens=run.prompt_tokens + run.total_completion_tokens)
+
+
+def _error_frame(exc: Exception) -> bytes:
+    """Headers are already sent, so a failure becomes an `error` payload; the openai SDK
+    raises on it, so clients see the failure instead of a silently short answer."""
+    if isinstance(exc, APIError):
+        err = exc
+    elif isinstance(exc, EngineError):
+        err = from_engine_error(exc)
+    else:
+        log.error("generation failed mid-stream: %r", exc)
+        err = APIError(500, "internal error during generation", type="server_error")
+    return data_frame(err.body())
+
+
+def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
+    return ClosingEventSourceResponse(body, on_close=run.close, ping_s=state.settings.sse_ping_s,
+                                      send_timeout_s=state.settings.sse_send_timeout_s)
+
+
+# ---- /v1/completions ----
+
+
+@router.post("/completions", response_model=CompletionResponse, responses=_STREAM_DOC)
+async def create_completion(body: CompletionRequest, request: Request,
+                            state: StateDep) -> Response:
+    started = time.perf_counter()
+    n = check_common(state, body)
+    prompt_ids, prompt_text = await completion_prompt(state, body)
+    max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
+    sampling = build_sampling(state, body, max_tokens)
+    run = await _admit(state, request, prompt_ids, sampling, n, "completions", started)
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": state.model_name}
+    echo = prompt_text if body.echo else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(state, _completion_events(run, meta, echo, include_usage), run)
+    try:
+        texts = await _collect(run, request)
+    finally:
+        await run.close()
+    if texts is None:
+        return Response(status_code=499)  # nobody is listening
+    choices = [CompletionChoice(index=i, text=echo + t, finish_reason=run.finish_reasons[i])
+               for i, t in enumerate(texts)]
+    return CompletionResponse(**meta, choices=choices, usage=_usage(run))
+
+
+async def _completion_events(run: RequestRun, meta: dict, echo: str,
+                             include_usage: bool) -> AsyncIterator[bytes]:
+    echoed: set[int] = set()
+    try:
+        async for index, delta in run:
+            text = delta.text
+            if echo and index not in echoed:
+                echoed.add(index)
+                text = echo + text
+            if text:
+                yield _completion_chunk(meta, index, text, None)
+            if delta.finish_reason is not None:
+                yield _completion_chunk(meta, index, "", delta.finish_reason)
+        if include_usage:
+            yield data_frame(CompletionChunk(**meta, choices=[], usage=_usage(run))
+                             .model_dump(mode="json"))
+        yield DONE_FRAME
+    except Exception as exc:
+        yield _error_frame(exc)
+        yield DONE_FRAME
+    finally:
+        await run.close()
+
+
+def _completion_chunk(meta: dict, index: int, text: str, finish: str | None) -> bytes:
+    chunk = CompletionChunk(**meta, choices=[CompletionChoice(index=index, text=text,
+                                                              finish_reason=finish)])
+    return data_frame(chunk.model_dump(mode="json"))
+
+
+# ---- /v1/chat/completions ----
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_DOC)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 state: StateDep) -> Response:
+    started = time.perf_counter()
+    n = check_common(state, body)
+    prompt_ids = await chat_prompt(state, body)
+    if body.max_completion_tokens is not None:
+        requested, param = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, param = body.max_tokens, "max_tokens"
+    max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
+    sampling = build_sampling(state, body, max_tokens)
+    run = await _admit(state, request, prompt_ids, sampling, n, "chat", started)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": state.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(state, _chat_events(run, meta, include_usage), run)
+    try:
+        texts = await _collect(run, request)
+    finally:
+        await run.close()
+    if texts is None:
+        return Response(status_code=499)
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=t),
+                          finish_reason=run.finish_reasons[i]) for i, t in enumerate(texts)]
+    return ChatCompletionResponse(**meta, choices=choices, usage=_usage(run))
+
+
+async def _chat_events(run: RequestRun, meta: dict, include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        # The first delta of each choice carries the role, as OpenAI's does.
+        for index in range(run.n):
+            yield _chat_chunk(meta, index, ChatDelta(role="assistant", content=""), None)
+        async for index, delta in run:
+            if delta.text:
+                yield _chat_chunk(meta, index, ChatDelta(content=delta.text), None)
+            if delta.finish_reason is not None:
+                yield _chat_chunk(meta, index, ChatDelta(), delta.finish_reason)
+        if include_usage:
+            yield data_frame(ChatCompletionChunk(**meta, choices=[], usage=_usage(run))
+                             .model_dump(mode="json"))
+        yield DONE_FRAME
+    except Exception as exc:
+        yield _error_frame(exc)
+        yield DONE_FRAME
+    finally:
+        await run.close()
+
+
+def _chat_chunk(meta: dict, index: int, delta: ChatDelta, finish: str | None) -> bytes:
+    chunk = ChatCompletionChunk(**meta, choices=[ChatChunkChoice(index=index, delta=delta,
+                                                                 finish_reason=finish)])
+    return data_frame(chunk.model_dump(mode="json"))

@@ -1,0 +1,192 @@
+"""Pydantic models of the OpenAI-compatible requests and responses.
+
+Requests validate in strict mode (no "1" -> 1 coercion, no NaN/inf): a wrong type is a 400
+that names the field, not a surprise later. Unknown fields are ignored, as OpenAI's own
+SDKs and LangChain send parameters we do not use.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str = Field(min_length=1, max_length=512)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, description="Extension: 0 disables it.")
+    n: int | None = Field(default=1, ge=1, le=128)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=512)
+    ignore_eos: bool | None = Field(default=False, description="Extension: generate past EOS.")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A string, a list with one string, token ids, or a list with one id list.")
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias.")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool | None = True
+    chat_template: str | None = Field(
+        default=None, description="Extension, off unless the operator allows it.")
+
+
+# ---- responses ----
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "parrot"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class _DropNone(_Response):
+    """Leaves out the None fields named in `_optional`, as OpenAI's stream chunks do."""
+
+    _optional: frozenset[str] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop(self, handler):
+        data = handler(self)
+        return {k: v for k, v in data.items() if not (k in self._optional and v is None)}
+
+
+class ChatDelta(_DropNone):
+    _optional = frozenset({"role", "content"})
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_DropNone):
+    _optional = frozenset({"usage"})
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(_DropNone):
+    _optional = frozenset({"usage"})
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Health(_Response):
+    status: Literal["ok"]

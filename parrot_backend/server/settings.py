@@ -1,0 +1,75 @@
+"""Server settings: what the operator chooses, checked once at startup."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+# A pluggable key -> tenant lookup (the SQL store plugs one in). It may be sync or async and
+# returns None for an unknown key.
+KeyLookup = Callable[[str], "Awaitable[str | None] | str | None"]
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname we cannot judge: treat it as public
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Knobs of the HTTP server. `check()` runs on construction and again in `create_app`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer key -> tenant. Keys are hashed on load; the plaintext is not kept by the app.
+    api_keys: dict[str, str] = field(default_factory=dict)
+    key_lookup: KeyLookup | None = None
+    # None: auth is on iff keys or a lookup are configured. False turns it off, which is
+    # only allowed on loopback; True with no keys rejects everyone (fail closed).
+    auth: bool | None = None
+    served_model_name: str | None = None  # defaults to the engine's model_name
+    max_model_len: int | None = None  # defaults to the engine's max_model_len
+    max_body_bytes: int = 1 << 20
+    max_inflight: int = 256  # generating requests at once; beyond it 429
+    retry_after_s: int = 1
+    max_n: int = 8  # largest `n` (choices per request) accepted
+    max_stop_sequences: int = 16
+    max_chat_template_chars: int = 2_000_000  # rendered prompt size cap
+    allow_request_chat_template: bool = False  # let requests carry their own template
+    sse_ping_s: float = 15.0
+    sse_send_timeout_s: float | None = 30.0  # a frozen client is dropped after this
+    manage_engine: bool = False  # lifespan awaits engine.start() / engine.stop()
+    # Secret mixed into the tenant-derived prefix-cache salt; never chosen by a client.
+    salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    @property
+    def auth_enabled(self) -> bool:
+        if self.auth is None:
+            return bool(self.api_keys) or self.key_lookup is not None
+        return self.auth
+
+    def check(self) -> None:
+        """Raise ValueError for settings that must not be served."""
+        if not self.auth_enabled and not is_loopback(self.host):
+            raise ValueError(
+                f"authentication is off but the server would listen on {self.host!r}; "
+                "configure API keys or listen on a loopback address (127.0.0.1, ::1)"
+            )
+        for name in ("max_body_bytes", "max_inflight", "max_n", "max_stop_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.retry_after_s < 0:
+            raise ValueError("retry_after_s must be >= 0")
+        for key, tenant in self.api_keys.items():
+            if not key or not tenant:
+                raise ValueError("api_keys entries need a non-empty key and tenant")

@@ -1,0 +1,285 @@
+"""Scheduling policy: which ready calls go to which engine now. Pure: snapshots in, decisions out.
+
+Each round the manager passes the ready calls (`PendingCall`, with their deduced objective,
+task group and prefixes) and a snapshot of every engine (`EngineSnapshot`). `schedule`
+returns the assignments; calls not assigned stay pending for the next round.
+
+Policy, in order of precedence:
+
+1. **No starvation.** A call that has waited longer than `aging_s` is *aged*: aged calls
+   are placed first (oldest first) and may join a batch beyond the latency capacity (up to
+   `max_batch`). An aged call that does not fit anywhere *reserves* the engine with the
+   most free KV: nothing younger is placed there this round, so that engine drains until
+   the aged call fits.
+2. **Latency before throughput.** Then latency calls, then throughput calls, oldest first.
+   A latency call goes only to an engine whose running batch is below
+   `latency_capacity`, so it decodes in a small, fast batch. Throughput calls fill the
+   rest: up to `max_batch` on engines running no latency call, and only below
+   `latency_capacity` on engines that do (they must not slow those calls down).
+3. **Prefix locality.** Among the engines where a call fits, it goes to the one holding
+   its longest prefix (it forks from that context and skips those tokens of prefill and
+   KV); ties go to the smaller batch, then to fewer running tokens. A throughput call
+   prefers engines running no latency call. Prefixes a call is sent to fill count as held
+   for the rest of the round, so calls sharing a prefix follow each other.
+4. **Task groups are gang-scheduled.** All pending members of a group are placed in the
+   same round or none is (an aged group places what fits). Members are batched for
+   throughput: they obey the throughput caps whatever the group's objective. When the
+   members share a prefix they are kept together on one engine (the one holding the
+   longest shared prefix among those with room for all); otherwise, or when no engine
+   has room for all, they are spread, each to the least loaded engine. A latency group
+   goes before throughput work; a group whose members are all throughput goes after it.
+
+Knobs (`PolicyConfig`): `latency_capacity`, `max_batch`, `aging_s`.
+
+Memory: a call needs `n_tokens` (prompt plus max new tokens) minus the tokens of the
+longest prefix the engine holds; it fits when that is at most the engine's free KV tokens.
+The manager may count tokens it could evict (`PrefixTable.evictable_tokens`) as free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from parrot_backend.program import Criterion
+
+from .prefix import Prefix
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyConfig:
+    """Knobs of the scheduling policy (see the module docstring)."""
+
+    latency_capacity: int = 8  # batch size below which an engine still takes latency calls
+    max_batch: int = 256  # batch size no engine exceeds
+    aging_s: float = 10.0  # seconds after which a waiting call goes first
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """What the scheduler knows about one engine at decision time.
+
+    `running_latency` counts latency calls running outside task groups; `batch_size`
+    counts all running calls; `prefixes` are the keys of prefixes filled on the engine.
+    """
+
+    engine_id: str
+    running_latency: int = 0
+    batch_size: int = 0
+    running_tokens: int = 0
+    free_kv_tokens: int = 0
+    prefixes: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(slots=True, frozen=True)
+class PendingCall:
+    """A ready call waiting for an engine.
+
+    `n_tokens`: KV tokens it needs with no prefix reused (prompt plus max new tokens).
+    `prefixes`: its prefixes, shortest first (`prefix.call_prefixes`). `group`: its task
+    group, unique across runs (e.g. `"<run id>/<group id>"`), or None.
+    """
+
+    call_id: str
+    objective: Criterion
+    n_tokens: int
+    enqueued_at: float
+    prefixes: tuple[Prefix, ...] = ()
+    group: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Assignment:
+    """Run `call_id` on `engine_id`, forking from `prefix` when the engine holds it."""
+
+    call_id: str
+    engine_id: str
+    prefix: Prefix | None
+
+
+@dataclass(slots=True)
+class _Load:
+    """An engine's load as this round's decisions change it (snapshots stay untouched)."""
+
+    engine_id: str
+    running_latency: int
+    batch_size: int
+    running_tokens: int
+    free_kv_tokens: int
+    prefixes: set[str]
+
+    @classmethod
+    def of(cls, e: EngineSnapshot | _Load) -> _Load:
+        return cls(
+            e.engine_id,
+            e.running_latency,
+            e.batch_size,
+            e.running_tokens,
+            e.free_kv_tokens,
+            set(e.prefixes),
+        )
+
+
+@dataclass(slots=True)
+class _Unit:
+    """What is placed as a whole: one call, or the pending members of one task group."""
+
+    calls: list[PendingCall]
+    aged: bool
+    latency: bool
+    since: float
+
+
+def schedule(
+    pending: Iterable[PendingCall],
+    engines: Sequence[EngineSnapshot],
+    now: float,
+    config: PolicyConfig | None = None,
+) -> list[Assignment]:
+    """Assign pending calls to engines for this round, following the module's policy."""
+    config = config or PolicyConfig()
+    state = {e.engine_id: _Load.of(e) for e in engines}
+    reserved: set[str] = set()
+    out: list[Assignment] = []
+    for unit in _units(pending, now, config):
+        open_engines = [s for eid, s in state.items() if eid not in reserved]
+        placed = _place_unit(unit, open_engines, config)
+        if placed is None and unit.aged:
+            placed = _place_each(unit.calls, open_engines, config, aged=True, partial=True)
+        if placed:
+            for call, engine in placed:
+                out.append(_commit(call, state[engine], single=_single(unit)))
+        if unit.aged and (placed is None or len(placed) < len(unit.calls)) and open_engines:
+            # the aged work did not fit: hold the roomiest engine for it until it drains
+            reserved.add(max(open_engines, key=lambda s: (s.free_kv_tokens, s.engine_id)).engine_id)
+    return out
+
+
+def _single(unit: _Unit) -> bool:
+    """Whether `unit` is a call outside any task group (it counts as running latency)."""
+    return len(unit.calls) == 1 and unit.calls[0].group is None
+
+
+def _units(pending: Iterable[PendingCall], now: float, config: PolicyConfig) -> list[_Unit]:
+    """Group the calls and order them: aged, then latency, then throughput; oldest first."""
+    singles: list[PendingCall] = []
+    groups: dict[str, list[PendingCall]] = {}
+    for call in pending:
+        if call.group is None:
+            singles.append(call)
+        else:
+            groups.setdefault(call.group, []).append(call)
+    units = [_unit([c], now, config) for c in singles]
+    units += [_unit(sorted(m, key=lambda c: c.call_id), now, config) for m in groups.values()]
+    units.sort(key=lambda u: (not u.aged, not u.latency, u.since, u.calls[0].call_id))
+    return units
+
+
+def _unit(calls: list[PendingCall], now: float, config: PolicyConfig) -> _Unit:
+    since = min(c.enqueued_at for c in calls)
+    latency = any(c.objective == "latency" for c in calls)
+    return _Unit(calls, now - since > config.aging_s, latency, since)
+
+
+def _matched(call: PendingCall, engine: _Load) -> Prefix | None:
+    """The longest prefix of `call` that `engine` holds."""
+    for prefix in reversed(call.prefixes):
+        if prefix.key in engine.prefixes:
+            return prefix
+    return None
+
+
+def _fits(
+    call: PendingCall, engine: _Load, config: PolicyConfig, aged: bool, batched: bool
+) -> bool:
+    """Whether `engine` can take `call` now; `batched`: the call obeys throughput caps."""
+    if aged:
+        cap = config.max_batch
+    elif call.objective == "latency" and not batched:
+        cap = config.latency_capacity
+    else:
+        cap = config.latency_capacity if engine.running_latency else config.max_batch
+    if engine.batch_size >= min(cap, config.max_batch):
+        return False
+    hit = _matched(call, engine)
+    need = call.n_tokens - (hit.n_tokens if hit else 0)
+    return need <= engine.free_kv_tokens
+
+
+def _rank(call: PendingCall, engine: _Load, batched: bool) -> tuple:
+    """Sort key of an engine for `call`: longest prefix, then least loaded."""
+    hit = _matched(call, engine)
+    avoid_latency = bool(engine.running_latency) and (batched or call.objective != "latency")
+    return (
+        -(hit.n_tokens if hit else 0),
+        avoid_latency,
+        engine.batch_size,
+        engine.running_tokens,
+        engine.engine_id,
+    )
+
+
+def _best(
+    call: PendingCall,
+    engines: Iterable[_Load],
+    config: PolicyConfig,
+    aged: bool,
+    batched: bool,
+) -> _Load | None:
+    fitting = [e for e in engines if _fits(call, e, config, aged, batched)]
+    return min(fitting, key=lambda e: _rank(call, e, batched)) if fitting else None
+
+
+def _place_unit(
+    unit: _Unit, engines: list[_Load], config: PolicyConfig
+) -> list[tuple[PendingCall, str]] | None:
+    """All calls of `unit` placed (call, engine id), or None when they do not all fit."""
+    batched = not _single(unit)
+    if batched and _shared_prefix(unit.calls) is not None:
+        for engine in sorted(engines, key=lambda e: _rank(unit.calls[0], e, True)):
+            together = _place_each(unit.calls, [engine], config, unit.aged, partial=False)
+            if together is not None:
+                return together
+    return _place_each(unit.calls, engines, config, unit.aged, partial=False, batched=batched)
+
+
+def _place_each(
+    calls: list[PendingCall],
+    engines: list[_Load],
+    config: PolicyConfig,
+    aged: bool,
+    partial: bool,
+    batched: bool = True,
+) -> list[tuple[PendingCall, str]] | None:
+    """Place calls one by one on copies of `engines`; None if one fails and not `partial`."""
+    trial = {e.engine_id: _Load.of(e) for e in engines}
+    placed: list[tuple[PendingCall, str]] = []
+    for call in calls:
+        engine = _best(call, trial.values(), config, aged, batched)
+        if engine is None:
+            if partial:
+                continue
+            return None
+        _commit(call, engine, single=not batched)
+        placed.append((call, engine.engine_id))
+    return placed
+
+
+def _shared_prefix(calls: Sequence[PendingCall]) -> str | None:
+    """A prefix key every call has, or None."""
+    common = {p.key for p in calls[0].prefixes}
+    for call in calls[1:]:
+        common &= {p.key for p in call.prefixes}
+    return next(iter(common), None)
+
+
+def _commit(call: PendingCall, engine: _Load, single: bool) -> Assignment:
+    """Account for `call` running on `engine`; the engine will hold its prefixes after."""
+    hit = _matched(call, engine)
+    engine.batch_size += 1
+    engine.running_tokens += call.n_tokens
+    engine.free_kv_tokens -= call.n_tokens - (hit.n_tokens if hit else 0)
+    if single and call.objective == "latency":
+        engine.running_latency += 1
+    engine.prefixes.update(p.key for p in call.prefixes)
+    return Assignment(call.call_id, engine.engine_id, hit)

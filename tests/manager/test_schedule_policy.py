@@ -1,0 +1,194 @@
+"""Scheduling decisions across engines, on scripted snapshots."""
+
+from __future__ import annotations
+
+from parrot_backend.manager.policy import (
+    Assignment,
+    EngineSnapshot,
+    PendingCall,
+    PolicyConfig,
+    schedule,
+)
+from parrot_backend.manager.prefix import Prefix
+
+CONFIG = PolicyConfig(latency_capacity=2, max_batch=4, aging_s=10.0)
+NOW = 100.0
+SYS = Prefix("sys", 1, 50)
+SYS_DOC = Prefix("sys+doc", 2, 80)
+
+
+def engine(eid: str, **kw: object) -> EngineSnapshot:
+    kw.setdefault("free_kv_tokens", 1000)
+    return EngineSnapshot(eid, **kw)  # type: ignore[arg-type]
+
+
+def call(cid: str, objective: str = "throughput", **kw: object) -> PendingCall:
+    kw.setdefault("n_tokens", 100)
+    kw.setdefault("enqueued_at", NOW)
+    return PendingCall(cid, objective, **kw)  # type: ignore[arg-type]
+
+
+def placement(assignments: list[Assignment]) -> dict[str, str]:
+    return {a.call_id: a.engine_id for a in assignments}
+
+
+def test_call_goes_to_engine_holding_its_longest_prefix() -> None:
+    engines = [
+        engine("e0", prefixes=frozenset({"sys"})),
+        engine("e1", prefixes=frozenset({"sys+doc"})),
+    ]
+    [a] = schedule([call("c", prefixes=(SYS, SYS_DOC))], engines, NOW, CONFIG)
+    assert (a.engine_id, a.prefix) == ("e1", SYS_DOC)
+
+
+def test_prefix_beats_load() -> None:
+    engines = [engine("e0", batch_size=3, prefixes=frozenset({"sys"})), engine("e1")]
+    [a] = schedule([call("c", prefixes=(SYS,))], engines, NOW, CONFIG)
+    assert a.engine_id == "e0" and a.prefix == SYS
+
+
+def test_without_prefix_the_least_loaded_engine_wins() -> None:
+    engines = [engine("e0", batch_size=2), engine("e1", batch_size=1)]
+    [a] = schedule([call("c")], engines, NOW, CONFIG)
+    assert a.engine_id == "e1" and a.prefix is None
+
+
+def test_latency_call_only_goes_below_latency_capacity() -> None:
+    engines = [engine("e0", batch_size=2, prefixes=frozenset({"sys"})), engine("e1", batch_size=1)]
+    [a] = schedule([call("c", "latency", prefixes=(SYS,))], engines, NOW, CONFIG)
+    assert a.engine_id == "e1"
+
+
+def test_latency_call_waits_when_every_batch_is_at_capacity() -> None:
+    engines = [engine("e0", batch_size=2), engine("e1", batch_size=3)]
+    assert schedule([call("c", "latency")], engines, NOW, CONFIG) == []
+
+
+def test_placed_latency_calls_count_against_capacity() -> None:
+    calls = [call(f"l{i}", "latency", enqueued_at=NOW - i) for i in range(3)]
+    out = schedule(calls, [engine("e0")], NOW, CONFIG)
+    assert [a.call_id for a in out] == ["l2", "l1"]
+
+
+def test_throughput_fills_engines_without_latency_work_up_to_max_batch() -> None:
+    calls = [call(f"t{i}", enqueued_at=NOW - i) for i in range(6)]
+    out = schedule(
+        calls, [engine("e0", running_latency=1, batch_size=1), engine("e1")], NOW, CONFIG
+    )
+    on = placement(out)
+    assert sum(e == "e1" for e in on.values()) == 4  # max_batch
+    assert sum(e == "e0" for e in on.values()) == 1  # up to latency_capacity only
+
+
+def test_throughput_prefers_engine_without_latency_calls() -> None:
+    engines = [engine("e0", running_latency=1, batch_size=1), engine("e1", batch_size=3)]
+    [a] = schedule([call("t")], engines, NOW, CONFIG)
+    assert a.engine_id == "e1"
+
+
+def test_latency_goes_before_older_throughput() -> None:
+    calls = [call("old-t", enqueued_at=NOW - 5), call("new-l", "latency")]
+    out = schedule(calls, [engine("e0", batch_size=1)], NOW, CONFIG)
+    assert [a.call_id for a in out][0] == "new-l"
+
+
+def test_memory_need_is_reduced_by_the_held_prefix() -> None:
+    engines = [
+        engine("e0", free_kv_tokens=30, prefixes=frozenset({"sys+doc"})),
+        engine("e1", free_kv_tokens=90),
+    ]
+    [a] = schedule([call("c", prefixes=(SYS, SYS_DOC))], engines, NOW, CONFIG)
+    assert a.engine_id == "e0"
+    assert schedule([call("c", n_tokens=200)], engines, NOW, CONFIG) == []
+
+
+def test_calls_sharing_a_prefix_in_one_round_follow_each_other() -> None:
+    calls = [call("a", prefixes=(SYS,), enqueued_at=NOW - 1), call("b", prefixes=(SYS,))]
+    out = schedule(calls, [engine("e0"), engine("e1")], NOW, CONFIG)
+    assert placement(out)["a"] == placement(out)["b"]
+    assert out[1].prefix == SYS  # the second one forks from what the first one fills
+
+
+def test_aged_throughput_goes_first_and_may_exceed_latency_capacity() -> None:
+    engines = [engine("e0", running_latency=2, batch_size=2)]
+    calls = [call("fresh-l", "latency"), call("aged-t", enqueued_at=NOW - 11)]
+    out = schedule(calls, engines, NOW, CONFIG)
+    assert [a.call_id for a in out] == ["aged-t"]
+
+
+def test_aged_call_that_does_not_fit_reserves_an_engine() -> None:
+    engines = [engine("e0", free_kv_tokens=300), engine("e1", free_kv_tokens=200)]
+    calls = [
+        call("huge", n_tokens=500, enqueued_at=NOW - 20),
+        call("y1", enqueued_at=NOW - 1),
+        call("y2"),
+    ]
+    out = schedule(calls, engines, NOW, CONFIG)
+    # e0 (most free KV) drains for the huge call; younger calls only use e1
+    assert placement(out) == {"y1": "e1", "y2": "e1"}
+
+
+def test_group_sharing_a_prefix_stays_on_one_engine() -> None:
+    members = [
+        call(f"m{i}", prefixes=(SYS, Prefix(f"own{i}", 2, 60)), group="r/0") for i in range(3)
+    ]
+    out = schedule(
+        members,
+        [engine("e0"), engine("e1"), engine("e2", prefixes=frozenset({"sys"}))],
+        NOW,
+        CONFIG,
+    )
+    assert set(placement(out).values()) == {"e2"}
+    assert all(a.prefix == SYS for a in out)
+
+
+def test_group_without_shared_prefix_is_spread() -> None:
+    members = [call(f"m{i}", prefixes=(Prefix(f"own{i}", 1, 10),), group="r/0") for i in range(3)]
+    out = schedule(members, [engine("e0"), engine("e1"), engine("e2")], NOW, CONFIG)
+    assert sorted(placement(out).values()) == ["e0", "e1", "e2"]
+
+
+def test_group_is_all_or_nothing() -> None:
+    members = [call(f"m{i}", group="r/0") for i in range(3)]
+    loner = call("solo", enqueued_at=NOW + 1)
+    out = schedule([*members, loner], [engine("e0", free_kv_tokens=250)], NOW, CONFIG)
+    assert placement(out) == {"solo": "e0"}
+
+
+def test_aged_group_places_what_fits() -> None:
+    members = [call(f"m{i}", group="r/0", enqueued_at=NOW - 30) for i in range(3)]
+    out = schedule(members, [engine("e0", free_kv_tokens=250)], NOW, CONFIG)
+    assert len(out) == 2
+
+
+def test_shared_prefix_group_too_big_for_one_engine_is_spread() -> None:
+    members = [call(f"m{i}", prefixes=(SYS,), group="r/0") for i in range(6)]
+    out = schedule(members, [engine("e0"), engine("e1")], NOW, CONFIG)
+    on = list(placement(out).values())
+    # prefix locality fills the first engine to max_batch; the rest share the prefix on e1
+    assert (on.count("e0"), on.count("e1")) == (4, 2)
+    assert [a.prefix for a in out if a.engine_id == "e1"] == [None, SYS]
+
+
+def test_group_members_obey_throughput_caps_even_for_latency() -> None:
+    members = [call(f"m{i}", "latency", group="r/0") for i in range(3)]
+    # a latency single could not join this batch of 2; a batched group may (no latency running)
+    out = schedule(members, [engine("e0", batch_size=1)], NOW, CONFIG)
+    assert len(out) == 3
+
+
+def test_latency_group_goes_before_throughput_singles() -> None:
+    members = [call(f"m{i}", "latency", group="r/0") for i in range(2)]
+    out = schedule(
+        [call("t", enqueued_at=NOW - 5), *members], [engine("e0", batch_size=2)], NOW, CONFIG
+    )
+    assert sorted(a.call_id for a in out) == ["m0", "m1"]
+
+
+def test_snapshots_are_not_mutated_and_decisions_are_deterministic() -> None:
+    engines = [engine("e0", prefixes=frozenset({"sys"})), engine("e1")]
+    before = [(e.batch_size, e.free_kv_tokens, e.prefixes) for e in engines]
+    calls = [call(f"c{i}", prefixes=(SYS,), enqueued_at=NOW - i) for i in range(5)]
+    first = schedule(calls, engines, NOW, CONFIG)
+    assert [(e.batch_size, e.free_kv_tokens, e.prefixes) for e in engines] == before
+    assert schedule(list(reversed(calls)), engines, NOW, CONFIG) == first

@@ -37,6 +37,7 @@ class Context:
         self.attached = parent is None  # blocks inherited from the parent yet?
         self.queue: deque[Request] = deque()  # pending requests; the head one is active
         self.freed = False
+        self.last_used = 0  # scheduler clock at its last step; idle KV is evicted LRU
         self._hashes: list[int] = []  # chain hash after each full block
 
     def block_hash(self, k: int) -> int:

@@ -17,7 +17,7 @@ from .detokenizer import Detokenizer
 from .errors import ContextBusy, ContextNotFound, EngineError, InvalidRequest, RequestCancelled
 from .interface import EngineStats, TokenDelta
 from .model_files import DEFAULT_MODEL, resolve_model
-from .models.loader import load_model
+from .models.loader import load_config, load_model
 from .runner import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
@@ -119,13 +119,14 @@ class Engine:
             device=device,
             backend=backend,
         )
+        self.contexts: dict[Hashable, Context] = {}
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=config.max_num_seqs,
             max_batched_tokens=config.max_batched_tokens,
             copy_block=self.runner.copy_block,
+            contexts=self.contexts,
         )
-        self.contexts: dict[Hashable, Context] = {}
         self.tokens_computed = 0
         self.tokens_generated = 0
         self.steps = 0
@@ -148,10 +149,8 @@ class Engine:
         path = resolve_model(config.model, progress=progress)
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, device)
+        mconf = load_config(path)  # refuses unsupported architectures before any loading
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        from .models.loader import load_config
-
-        mconf = load_config(path)
         max_pos = min(
             config.max_model_len or mconf.max_position_embeddings, mconf.max_position_embeddings
         )

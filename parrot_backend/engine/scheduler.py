@@ -10,7 +10,7 @@ request is preempted: its unshared blocks are released and later recomputed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
@@ -42,14 +42,17 @@ class Scheduler:
         max_num_seqs: int,
         max_batched_tokens: int,
         copy_block: Callable[[int, int], None],
+        contexts: dict[Hashable, Context],
     ) -> None:
         self.pool = pool
+        self.contexts = contexts  # all live contexts: idle ones' KV is evictable
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.clock = 0  # steps planned; orders contexts by last use
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -68,6 +71,7 @@ class Scheduler:
         """Plan one step. Returns (work, finished fills, failed requests)."""
         finished: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
+        self.clock += 1
         self._admit()
         budget = self.max_batched_tokens
         work: list[Work] = []
@@ -100,6 +104,7 @@ class Scheduler:
                         )
                     )
                 continue
+            ctx.last_used = self.clock
             work.append(Work(req, ctx.num_computed, n))
             planned.add(id(req))
             budget -= n
@@ -159,10 +164,8 @@ class Scheduler:
         ]
         new = max(0, last + 1 - len(ctx.blocks))
         while self.pool.num_free < len(shared) + new:
-            victim = self._victim(req, planned)
-            if victim is None:
+            if not self._evict_one(req, planned):
                 return False
-            self.preempt(victim)
             # the victim may have shared blocks with this context; recount
             shared = [
                 j
@@ -178,12 +181,29 @@ class Scheduler:
             ctx.blocks.append(self.pool.allocate())
         return True
 
-    def _victim(self, req: Request, planned: set[int]) -> Request | None:
-        """The newest, least urgent running request not already in this step's batch."""
+    def _evict_one(self, req: Request, planned: set[int]) -> bool:
+        """Free blocks for `req`: drop the KV of the least recently used context that is not
+        running (its tokens stay; KV is recomputed when it is used again), else preempt the
+        newest, least urgent running request not already in this step's batch."""
+        running = {id(r.ctx) for r in self.running}
+        idle = [c for c in self.contexts.values()
+                if id(c) not in running and c is not req.ctx
+                and any(self.pool.ref[b] == 1 for b in c.blocks[c.kept_blocks:])]
+        if idle:
+            self.release(min(idle, key=lambda c: c.last_used))
+            return True
         candidates = [r for r in self.running if id(r) not in planned and r is not req]
         if not candidates:
-            return None
-        return max(candidates, key=lambda r: (r.priority, r.seq))
+            return False
+        self.preempt(max(candidates, key=lambda r: (r.priority, r.seq)))
+        return True
+
+    def release(self, ctx: Context) -> None:
+        """Drop a context's unshared KV; its tokens stay and are recomputed on next use."""
+        for b in ctx.blocks[ctx.kept_blocks:]:
+            self.pool.decref(b)
+        del ctx.blocks[ctx.kept_blocks:]
+        ctx.num_computed = min(ctx.num_computed, ctx.kept_blocks * self.pool.block_size)
 
     def preempt(self, req: Request) -> None:
         """Release the request's unshared blocks; it recomputes them when it runs again."""

@@ -64,17 +64,47 @@ class Program:
         self._check_new(calls)
         for call in calls:
             self._insert(call)
-        try:
-            cycle = nx.find_cycle(self.graph, source=[call_node(c.name) for c in calls])
-        except nx.NetworkXNoCycle:
+        cycle = self._find_cycle([call_node(c.name) for c in calls])
+        if cycle is None:
             return
         for call in reversed(calls):
             self._remove(call)
         # the cycle alternates call -> variable -> call; start it at a call
-        nodes = [edge[0] for edge in cycle]
-        if nodes[0][0] == "var":
-            nodes = nodes[1:] + nodes[:1]
-        raise CycleError([n for _, n in nodes[0::2]], [n for _, n in nodes[1::2]])
+        if cycle[0][0] == "var":
+            cycle = cycle[1:] + cycle[:1]
+        raise CycleError([n for _, n in cycle[0::2]], [n for _, n in cycle[1::2]])
+
+    def _find_cycle(self, sources: list[Node]) -> list[Node] | None:
+        """A cycle reachable from `sources`, as its nodes in order, or None.
+
+        The program was acyclic before, so any new cycle passes through a new call and is
+        reachable from it; searching only from there keeps adding a call to a large open
+        run cheap.
+        """
+        done: set[Node] = set()
+        on_path: dict[Node, int] = {}  # node -> its index in `path`
+        path: list[Node] = []
+        for source in sources:
+            if source in done:
+                continue
+            stack = [(source, iter(self.graph.successors(source)))]
+            on_path[source] = 0
+            path.append(source)
+            while stack:
+                node, children = stack[-1]
+                child = next(children, None)
+                if child is None:
+                    stack.pop()
+                    path.pop()
+                    del on_path[node]
+                    done.add(node)
+                elif child in on_path:
+                    return path[on_path[child] :]
+                elif child not in done:
+                    on_path[child] = len(path)
+                    path.append(child)
+                    stack.append((child, iter(self.graph.successors(child))))
+        return None
 
     def _check_new(self, calls: list[Call]) -> None:
         problems: list[str] = []

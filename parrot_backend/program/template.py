@@ -112,6 +112,8 @@ def _placeholder(template: str, start: int) -> tuple[InputRef | OutputRef, int]:
         )
     kind, name = body[:colon], body[colon + 1 :]
     if kind not in _KINDS:
+        if kind.strip() in _KINDS:
+            raise TemplateError("no spaces are allowed inside a placeholder", start + 2)
         raise TemplateError(
             f"unknown placeholder kind {kind!r}: expected 'input' or 'output'", start + 2
         )

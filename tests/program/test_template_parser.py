@@ -116,7 +116,8 @@ def test_brace_right_before_placeholder_needs_escape() -> None:
         ("{{output:o}} {{output:o}}", 13, "appears twice"),
         ("{{input:v}} {{output:v}}", 12, "both an input and an output"),
         ("{{output:v}} {{input:v}}", 13, "both an input and an output"),
-        ("{{ input:x}}", 2, "unknown placeholder kind"),
+        ("{{ input:x}}", 2, "no spaces"),
+        ("{{input:x }}", 9, "invalid variable name"),
     ],
 )
 def test_errors_point_at_the_fault(source: str, position: int, fragment: str) -> None:

@@ -78,13 +78,17 @@ def plan_decode(
 
 def run_decode(
     plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, scale: float,
+    block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a plan; returns (out `[rows, Hq, D]` in q's dtype, lse `[rows, Hq]`)."""
+    """Run a plan; returns (out `[rows, Hq, D]` in q's dtype, lse `[rows, Hq]`).
+
+    `out`, if given, must be contiguous `[rows, Hq, D]` in q's dtype.
+    """
     _, hq, d = q.shape
     rows = plan.num_rows
-    if plan.num_splits == 1:
+    if out is None:
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
+    if plan.num_splits == 1:
         lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
         ak.launch(q, k_cache, v_cache, block_tables, plan.tiles, out.unsqueeze(0),
                   lse.unsqueeze(0), scale, split_len=plan.split_len, causal=False,
@@ -95,17 +99,17 @@ def run_decode(
     ak.launch(q, k_cache, v_cache, block_tables, plan.tiles, parts, lse_parts, scale,
               split_len=plan.split_len, causal=False, block_m=plan.block_m,
               block_n=plan.block_n)
-    out, lse = merge_states_triton(parts, lse_parts, q.dtype)
+    _, lse = merge_states_triton(parts, lse_parts, q.dtype, out=out)
     return out, lse
 
 
 def paged_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: Sequence[int], scale: float, kv_start: Sequence[int] | None = None, *,
-    num_splits: int | None = None, block_n: int | None = None,
+    num_splits: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `paged_decode_ref`; `num_splits` forces the split-KV count."""
     require_triton()
     plan = plan_decode(range(q.shape[0]), seq_lens, kv_start, q.shape[1] // k_cache.shape[2],
                        k_cache.shape[2], q.device, num_splits=num_splits, block_n=block_n)
-    return run_decode(plan, q, k_cache, v_cache, block_tables, scale)
+    return run_decode(plan, q, k_cache, v_cache, block_tables, scale, out)

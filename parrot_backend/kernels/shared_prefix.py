@@ -81,12 +81,15 @@ class SharedPrefixPlan:
 def plan_shared_prefix(
     groups: Sequence[GroupSpec], group: int, num_kv_heads: int, block_size: int,
     device: torch.device, *, prefix_splits: int | None = None,
-    suffix_splits: int | None = None, block_n: int | None = None,
+    suffix_splits: int | None = None, block_n: int | None = None, max_block_m: int = 128,
 ) -> SharedPrefixPlan:
-    """Plan the passes for groups whose members are packed in order in q."""
+    """Plan the passes for groups whose members are packed in order in q.
+
+    The prefix tile is as tall as the largest group (up to `max_block_m` rows).
+    """
     block_n = block_n or ak.default_block_n(device)
     largest = max((len(g.table_rows) for g in groups), default=1)
-    block_m = ak.block_m_for(largest * group, group)
+    block_m = ak.block_m_for(largest * group, group, cap=max_block_m)
     items, q_rows, tables, starts, lens = [], [], [], [], []
     row = 0
     width = 1
@@ -125,7 +128,7 @@ def plan_shared_prefix(
 
 def run_shared_prefix(
     plan: SharedPrefixPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, scale: float,
+    block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: packed members `[rows, Hq, D]` -> (out `[rows, Hq, D]`, lse `[rows, Hq]`)."""
     _, hq, d = q.shape
@@ -138,14 +141,16 @@ def run_shared_prefix(
     ak.launch(q, k_cache, v_cache, block_tables, plan.suffix.tiles, parts[s1:],
               lse_parts[s1:], scale, split_len=plan.suffix.split_len, causal=False,
               block_m=plan.suffix.block_m, block_n=plan.suffix.block_n)
-    return merge_states_triton(parts, lse_parts, q.dtype)
+    out, lse = merge_states_triton(parts, lse_parts, q.dtype, out=out)
+    assert lse is not None
+    return out, lse
 
 
 def shared_prefix_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: Sequence[int], prefix_len: int, prefix_blocks: Sequence[int], scale: float, *,
     prefix_splits: int | None = None, suffix_splits: int | None = None,
-    block_n: int | None = None,
+    block_n: int | None = None, max_block_m: int = 128, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `shared_prefix_decode_ref` (one group)."""
     require_triton()
@@ -153,8 +158,8 @@ def shared_prefix_decode_triton(
     hkv = k_cache.shape[2]
     plan = plan_shared_prefix([spec], q.shape[1] // hkv, hkv, k_cache.shape[1], q.device,
                               prefix_splits=prefix_splits, suffix_splits=suffix_splits,
-                              block_n=block_n)
-    return run_shared_prefix(plan, q, k_cache, v_cache, block_tables, scale)
+                              block_n=block_n, max_block_m=max_block_m)
+    return run_shared_prefix(plan, q, k_cache, v_cache, block_tables, scale, out)
 
 
 def prefix_attention_ref(

@@ -51,3 +51,39 @@ def poisoned(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
 def randn(*shape: int, dtype: torch.dtype, device: torch.device,
           gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def forked_group(
+    kc: torch.Tensor, vc: torch.Tensor, prefix_len: int, suffix_lens: list[int],
+    first_free: int, gen: torch.Generator,
+) -> tuple[list[int], torch.Tensor, int]:
+    """Lay out a group forked from one ancestor, the way the engine's context tree does.
+
+    The ancestor's prefix fills blocks first_free.. ; each member shares its full blocks,
+    copies a partly filled last block (copy-on-write, then overwrites the tail with its own
+    tokens) and appends fresh blocks. Returns (prefix_blocks, member tables, next free).
+    """
+    bs = BLOCK_SIZE
+    n_full, tail = divmod(prefix_len, bs)
+    prefix_blocks = list(range(first_free, first_free + n_full + (1 if tail else 0)))
+    nxt = first_free + len(prefix_blocks)
+    rows = []
+    for s in suffix_lens:
+        row = prefix_blocks[:n_full]
+        if tail:
+            kc[nxt], vc[nxt] = kc[prefix_blocks[-1]], vc[prefix_blocks[-1]]
+            own = torch.randn((bs - tail, *kc.shape[2:]), generator=gen)
+            kc[nxt, tail:] = own.to(kc.dtype)
+            vc[nxt, tail:] = (own * 0.5 + 0.1).to(vc.dtype)
+            row = row + [nxt]
+            nxt += 1
+        need = math.ceil((prefix_len + s) / bs) - len(row)
+        row = row + list(range(nxt, nxt + need))
+        nxt += need
+        rows.append(row)
+    width = max(len(r) for r in rows)
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    assert nxt <= kc.shape[0], "cache too small for this group"
+    return prefix_blocks, table.to(kc.device), nxt

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import BLOCK_SIZE, poisoned, random_cache, random_tables, randn, tol  # noqa: E402
+from kernel_cases import BLOCK_SIZE, poisoned, randn, random_cache, random_tables, tol  # noqa: E402
 
 from parrot_backend.kernels import attention_kernel as ak  # noqa: E402
 from parrot_backend.kernels.decode import (  # noqa: E402

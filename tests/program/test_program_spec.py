@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -163,3 +165,9 @@ def test_awaited_output_must_exist_in_a_closed_run() -> None:
 def test_unknown_criterion_is_rejected() -> None:
     with pytest.raises(ValidationError):
         RunSpec.model_validate({"program": MAP_REDUCE, "outputs": {"summary": "fast"}})
+
+
+def test_program_package_imports_without_torch() -> None:
+    code = "import sys, parrot_backend.program; assert 'torch' not in sys.modules, 'torch loaded'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import case, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from parrot_backend.store.base import StoreBase
@@ -24,26 +24,34 @@ def append_in(session: Session, items: Sequence[EventIn], now: datetime | None =
     """Append events inside an open write transaction; return their seqs in input order.
 
     Each run's counter is bumped once per batch with UPDATE ... RETURNING: the row lock it
-    takes makes concurrent appenders to one run wait for each other, so seqs are gap-free,
-    strictly increasing, and become visible in order. Runs are locked in sorted order so
-    that two batches touching the same runs cannot deadlock.
+    takes makes concurrent appenders to one run wait for each other until commit, so seqs
+    are gap-free, strictly increasing, and become visible in order. On PostgreSQL the runs
+    are locked in sorted order so that two batches touching the same runs cannot deadlock.
     """
     if not items:
         return []
     now = now or utcnow()
     counts = Counter(run_id for run_id, _, _ in items)
-    next_seq: dict[str, int] = {}
-    for run_id in sorted(counts):
-        end = session.execute(
-            update(Run)
-            .where(Run.id == run_id)
-            .values(event_seq=Run.event_seq + counts[run_id])
-            .returning(Run.event_seq)
-            .execution_options(synchronize_session=False)
-        ).scalar_one_or_none()
-        if end is None:
-            raise NotFoundError(f"no run {run_id!r}")
-        next_seq[run_id] = end - counts[run_id]
+    runs = Run.__table__
+    ids = sorted(counts)
+    if session.get_bind().dialect.name == "postgresql" and len(ids) > 1:
+        # Lock in id order first: a lone UPDATE locks rows in scan order, which can deadlock.
+        session.execute(
+            select(runs.c.id).where(runs.c.id.in_(ids)).order_by(runs.c.id).with_for_update()
+        )
+    # Core statements (no ORM bookkeeping): one UPDATE bumps every run of the batch.
+    ends = dict(
+        session.execute(
+            update(runs)
+            .where(runs.c.id.in_(ids))
+            .values(event_seq=runs.c.event_seq + case(dict(counts), value=runs.c.id))
+            .returning(runs.c.id, runs.c.event_seq)
+        ).all()
+    )
+    missing = [r for r in ids if r not in ends]
+    if missing:
+        raise NotFoundError(f"no run(s) {missing}")
+    next_seq = {run_id: ends[run_id] - counts[run_id] for run_id in ids}
     seqs: list[int] = []
     rows: list[dict[str, Any]] = []
     for run_id, type_, payload in items:
@@ -53,7 +61,8 @@ def append_in(session: Session, items: Sequence[EventIn], now: datetime | None =
             {"run_id": run_id, "seq": next_seq[run_id], "type": type_, "payload": payload,
              "created_at": now}
         )
-    session.execute(insert(Event), rows)
+    # Core insert of the table (not the ORM bulk path): a plain executemany, fastest here.
+    session.execute(insert(Event.__table__), rows)
     return seqs
 
 

@@ -112,8 +112,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "missing" and not where:
             messages.append("a JSON object body is required")
             continue
-        messages.append(f"{where}: {err.get('msg', 'invalid value')}" if where else
-                        str(err.get("msg", "invalid value")))
+        messages.append(f"{where or 'request body'}: {err.get('msg', 'invalid value')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     param = _format_loc(tuple(first.get("loc", ()))) or None
     return "; ".join(messages) + more, param

@@ -100,7 +100,10 @@ def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int) -
     try:
         params.validate(state.vocab_size)
     except InvalidRequest as exc:
-        raise APIError(400, str(exc)) from None
+        # validate() names the field first ("top_k must be ..."): surface it as the param
+        field_name = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=field_name if hasattr(params, field_name) else None
+                       ) from None
     return params
 
 

@@ -9,13 +9,40 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
-
-NonNegFloat = Annotated[float, Field(ge=0)]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_serializer
+from pydantic_core import PydanticCustomError
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+def _one_of(description: str) -> WrapValidator:
+    """Replace a union's per-member error list with one sentence naming the accepted forms."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", f"must be {description}") from None
+
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[
+    str | list[str] | list[int] | list[list[int]],
+    _one_of("a string, a list of strings, a list of token ids or a list of token id lists"),
+]
+Stop = Annotated[str | list[str] | None, _one_of("a string, a list of strings or null")]
+Content = Annotated[
+    str | list[TextPart] | None,
+    _one_of("a string, null or a list of {'type': 'text', 'text': ...} parts"),
+]
 
 
 class _Response(BaseModel):
@@ -36,7 +63,7 @@ class _SamplingFields(_Request):
     n: int | None = Field(default=1, ge=1, le=128)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Stop = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float | None = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=0.0, ge=-2, le=2)
@@ -46,7 +73,7 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Prompt = Field(
         description="A string, a list with one string, token ids, or a list with one id list.")
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool | None = False
@@ -55,14 +82,9 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content = None
     name: str | None = Field(default=None, max_length=256)
     tool_call_id: str | None = None
 

@@ -6,12 +6,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import JSON, DateTime
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
-# JSONB on PostgreSQL (compact, indexable); plain JSON text elsewhere.
-JSONType = JSON().with_variant(JSONB(), "postgresql")
+# Plain JSON, not JSONB, on PostgreSQL: JSONB reorders object keys, and key order is
+# meaningful in programs (a call's outputs are generated in the order they are listed).
+JSONType = JSON()
 
 RUN_STATUSES = ("pending", "running", "done", "failed", "cancelled")
 RUN_UNFINISHED = ("pending", "running")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from sqlalchemy import select
 from store_helpers import chain_calls
@@ -152,3 +154,22 @@ def test_run_status_and_recovery_view(store: Store, tenant: int) -> None:
     assert store.cancel_run(tenant, live) is True
     assert {r.run.id for r in store.unfinished_runs()} == {replay.run.id}
     assert [r.id for r in store.list_runs(tenant, status="cancelled")] == [live]
+
+
+def test_program_json_round_trips_with_key_order(store: Store, tenant: int) -> None:
+    # A call's outputs are generated in listed order, so key order must survive storage.
+    program = {
+        "public": True,
+        "calls": [
+            {"template": "t", "outputs": {"zeta": {"max_tokens": 5}, "alpha": {}, "mid": {}}}
+        ],
+    }
+    inputs = {"b": "2", "a": "1", "c": "ünïcode {{input:x}}"}
+    run = store.create_run(tenant, program, [{"inputs": ["a"], "outputs": ["zeta"]}], inputs)
+    detail = store.get_run(tenant, run.run.id)
+    assert json.dumps(detail.program) == json.dumps(program)
+    assert list(detail.inputs) == ["b", "a", "c"] and detail.inputs["c"] == inputs["c"]
+    wf = store.register_workflow(tenant, "ordered", program)
+    assert json.dumps(store.get_workflow(tenant, "ordered", wf.version).program) == json.dumps(
+        program
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,35 @@ def test_missing_pg_database_is_a_clear_error() -> None:
     url = make_url(PG_URL).set(database="parrot_no_such_database")
     with pytest.raises(DatabaseUrlError, match="parrot_no_such_database"):
         Store(url)
+
+
+def _concurrent_upgrades(url: str | URL) -> None:
+    errors: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            upgrade(url)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [
+            head_revision()
+        ]
+    engine.dispose()
+
+
+def test_concurrent_upgrades_sqlite(tmp_path: Path) -> None:
+    _concurrent_upgrades(_sqlite_url(tmp_path / "a.db"))
+
+
+@pytest.mark.postgres
+def test_concurrent_upgrades_pg(pg_fresh_schema: URL) -> None:
+    _concurrent_upgrades(pg_fresh_schema)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects.postgresql import JSONB
 
 from parrot_backend.store.columns import UTCDateTime
 
@@ -19,7 +18,8 @@ branch_labels = None
 depends_on = None
 
 # Frozen copies of the column types at this revision (later model changes need new revisions).
-JSON = sa.JSON().with_variant(JSONB(), "postgresql")
+# Plain JSON on PostgreSQL too: JSONB would reorder object keys (see store.columns).
+JSON = sa.JSON()
 BIGID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 

@@ -10,12 +10,19 @@ from parrot_backend.engine.model_files import DEFAULT_MODEL
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="local checkpoint folder, .gguf file, or the default model name")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="local checkpoint folder, .gguf file, or the default model name",
+    )
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pool size in blocks (default: sized from free memory)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (default: sized from free memory)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -24,17 +31,25 @@ def _generate(args: argparse.Namespace) -> int:
     from parrot_backend.engine.sampling import SamplingParams
 
     async def run() -> None:
-        engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                        num_blocks=args.num_blocks)
+        engine = Engine.from_pretrained(
+            args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks
+        )
         if args.raw or not engine.chat_template:
             prompt = engine.tokenize(args.prompt)
         else:
             text = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                tokenize=False)
+                [{"role": "user", "content": args.prompt}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             prompt = engine.tokenize(text)
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, seed=args.seed, stop=args.stop or [])
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop or [],
+        )
         async with engine:
             await engine.fill("cli", None, prompt)
             async for delta in engine.generate("cli", None, sampling):

@@ -242,6 +242,7 @@ class Engine:
             )
         ctx = self._context_for(context_id, parent_id, salt)
         self._check_length(ctx, len(token_ids), 0)
+        self._register(ctx)
         ctx.tokens.extend(token_ids)
         req = Request(
             "fill", ctx, future=asyncio.get_running_loop().create_future(), priority=priority
@@ -270,10 +271,16 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling must be a SamplingParams")
         sampling.validate(self.vocab_size)
+        if parent_id is None and context_id not in self.contexts:
+            raise ContextNotFound(
+                f"unknown context {context_id!r}: generate continues an "
+                f"existing context or forks a new one from a parent"
+            )
         ctx = self._context_for(context_id, parent_id, salt)
         if not ctx.tokens:
             raise InvalidRequest("cannot generate from an empty context: fill it first")
         self._check_length(ctx, 0, 1)
+        self._register(ctx)
         req = Request(
             "generate",
             ctx,
@@ -379,11 +386,14 @@ class Engine:
         parent = self._get(parent_id) if parent_id is not None else None
         if parent_id is not None and parent_id == context_id:
             raise InvalidRequest("a context cannot be its own parent")
-        ctx = Context(context_id, parent, salt, self.pool.block_size)
-        self.contexts[context_id] = ctx
-        if parent is not None:
-            parent.children.add(context_id)
-        return ctx
+        # not registered yet: the caller validates the request, then calls _register
+        return Context(context_id, parent, salt, self.pool.block_size)
+
+    def _register(self, ctx: Context) -> None:
+        if ctx.id not in self.contexts:
+            self.contexts[ctx.id] = ctx
+            if ctx.parent is not None:
+                ctx.parent.children.add(ctx.id)
 
     def _check_length(self, ctx: Context, adding: int, generating: int) -> None:
         total = len(ctx.tokens) + adding + generating

@@ -186,9 +186,13 @@ class Scheduler:
         running (its tokens stay; KV is recomputed when it is used again), else preempt the
         newest, least urgent running request not already in this step's batch."""
         running = {id(r.ctx) for r in self.running}
-        idle = [c for c in self.contexts.values()
-                if id(c) not in running and c is not req.ctx
-                and any(self.pool.ref[b] == 1 for b in c.blocks[c.kept_blocks:])]
+        idle = [
+            c
+            for c in self.contexts.values()
+            if id(c) not in running
+            and c is not req.ctx
+            and any(self.pool.ref[b] == 1 for b in c.blocks[c.kept_blocks :])
+        ]
         if idle:
             self.release(min(idle, key=lambda c: c.last_used))
             return True
@@ -200,9 +204,9 @@ class Scheduler:
 
     def release(self, ctx: Context) -> None:
         """Drop a context's unshared KV; its tokens stay and are recomputed on next use."""
-        for b in ctx.blocks[ctx.kept_blocks:]:
+        for b in ctx.blocks[ctx.kept_blocks :]:
             self.pool.decref(b)
-        del ctx.blocks[ctx.kept_blocks:]
+        del ctx.blocks[ctx.kept_blocks :]
         ctx.num_computed = min(ctx.num_computed, ctx.kept_blocks * self.pool.block_size)
 
     def preempt(self, req: Request) -> None:

@@ -25,15 +25,22 @@ def _hf_greedy(model_dir, prompt, n):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        min_new_tokens=n,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 async def _batch(engine, prompts, sampling, prefix=""):
     async with engine:
-        return await asyncio.gather(*(complete(engine, f"{prefix}{i}", p, sampling)
-                                      for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(complete(engine, f"{prefix}{i}", p, sampling) for i, p in enumerate(prompts))
+        )
 
 
 def test_batched_greedy_equals_transformers_generate(tiny_model_dir):
@@ -58,8 +65,9 @@ def test_smollm2_batched_greedy_equals_transformers(smollm2_dir):
 
 def test_fork_generates_what_the_full_prompt_generates_and_shares_blocks(tiny_model_dir):
     bs = 16
-    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False,
-                                    prefix_cache=False)
+    engine = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False
+    )
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, engine.vocab_size, (40,), generator=g).tolist()
     suffixes = [torch.randint(3, engine.vocab_size, (k,), generator=g).tolist() for k in (5, 9, 1)]
@@ -68,14 +76,19 @@ def test_fork_generates_what_the_full_prompt_generates_and_shares_blocks(tiny_mo
         async with engine:
             await engine.fill("parent", None, prefix)
             used_parent = engine.stats_now().blocks_used
-            outs = await asyncio.gather(*(complete(engine, f"c{i}", s, GREEDY, parent="parent")
-                                          for i, s in enumerate(suffixes)))
+            outs = await asyncio.gather(
+                *(
+                    complete(engine, f"c{i}", s, GREEDY, parent="parent")
+                    for i, s in enumerate(suffixes)
+                )
+            )
             used = engine.stats_now().blocks_used
             return outs, used_parent, used
 
     outs, used_parent, used = asyncio.run(forked())
-    plain = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False,
-                                   prefix_cache=False)
+    plain = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False
+    )
     expected = asyncio.run(_batch(plain, [prefix + s for s in suffixes], GREEDY))
     assert outs == expected
     assert used_parent == -(-len(prefix) // bs)
@@ -83,8 +96,9 @@ def test_fork_generates_what_the_full_prompt_generates_and_shares_blocks(tiny_mo
     # (a copy of the shared partial block plus what it appended), never another prefix copy
     unshared = sum(-(-(len(prefix) + len(s) + GREEDY.max_tokens) // bs) for s in suffixes)
     children_own = used - used_parent
-    assert children_own <= sum(-(-(len(prefix) % bs + len(s) + GREEDY.max_tokens) // bs)
-                               for s in suffixes)
+    assert children_own <= sum(
+        -(-(len(prefix) % bs + len(s) + GREEDY.max_tokens) // bs) for s in suffixes
+    )
     assert used < unshared
 
 
@@ -103,8 +117,9 @@ def test_chunked_prefill_matches_unchunked(tiny_model_dir):
     whole = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False)
     prompts = _prompts(whole)
     expected = asyncio.run(_batch(whole, prompts, GREEDY))
-    chunked = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False,
-                                     max_batched_tokens=7)
+    chunked = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=64, progress=False, max_batched_tokens=7
+    )
     assert asyncio.run(_batch(chunked, prompts, GREEDY)) == expected
     assert chunked.stats_now().steps > whole.stats_now().steps
 
@@ -123,8 +138,7 @@ def test_prefix_cache_reuses_blocks_and_can_be_switched_off(tiny_model_dir):
     a, b, stats_on = asyncio.run(twice(on))
     assert a == b
     assert stats_on.prefix_cache_hits == 48  # three full blocks of the 50-token prompt
-    off = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False,
-                                 prefix_cache=False)
+    off = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False)
     c, d, stats_off = asyncio.run(twice(off))
     assert (c, d) == (a, b)
     assert stats_off.prefix_cache_hits == 0

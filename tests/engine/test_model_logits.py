@@ -36,7 +36,9 @@ def _step_logits(engine: Engine, cid, new_tokens: list[int]) -> torch.Tensor:
 def test_prefill_logits_match_transformers(tiny_model_dir, length):
     engine = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False)
     ref = _reference(tiny_model_dir)
-    ids = torch.randint(3, engine.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+    ids = torch.randint(
+        3, engine.vocab_size, (length,), generator=torch.Generator().manual_seed(length)
+    )
     ours = _step_logits(engine, "a", ids.tolist())
     with torch.no_grad():
         theirs = ref(ids.unsqueeze(0)).logits[0]
@@ -64,7 +66,7 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(prefill, theirs[: len(ids) - 3], atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(decode, theirs[len(ids) - 3:], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(decode, theirs[len(ids) - 3 :], atol=2e-3, rtol=2e-3)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

@@ -27,7 +27,12 @@ class StoreBase:
     def _bind(self, engine: Engine) -> None:
         self.engine = engine
         # Records are built before commit, so expiring on commit would only cost reloads.
-        self._reads = sessionmaker(bind=engine, expire_on_commit=False)
+        reads = engine
+        if engine.dialect.name == "postgresql":
+            # Several SELECTs of one read (a run's detail) must see one snapshot; a read-only
+            # REPEATABLE READ transaction gives that and never fails on serialization.
+            reads = engine.execution_options(isolation_level="REPEATABLE READ")
+        self._reads = sessionmaker(bind=reads, expire_on_commit=False)
         self._writes = sessionmaker(
             bind=engine.execution_options(**{WRITE_OPTION: True}), expire_on_commit=False
         )

@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import URL
 from store_helpers import chain_calls, fan_calls, url_text
 
@@ -171,3 +172,19 @@ def test_processes_never_claim_the_same_call(
 def test_claim_limit(store: Store, tenant: int, limit: int) -> None:
     store.create_run(tenant, {}, fan_calls(7), {"q": "?"})
     assert len(store.claim_calls("w", limit=limit)) == limit
+
+
+def test_pg_claim_skips_rows_locked_by_another_claimer(store: Store, tenant: int) -> None:
+    if store.dialect != "postgresql":
+        pytest.skip("row locks are a PostgreSQL feature (SQLite has one writer at a time)")
+    store.create_run(tenant, {}, fan_calls(2), {"q": "?"})
+    first_id = min(c.id for c in store.unfinished_runs()[0].calls)
+    with store.engine.connect() as other:
+        # Another manager is in the middle of claiming the first call (row locked).
+        other.execute(text("SELECT id FROM calls WHERE id = :i FOR UPDATE"), {"i": first_id})
+        start = time.monotonic()
+        (got,) = store.claim_calls("w", limit=2)
+        assert got.call.id != first_id and time.monotonic() - start < 5  # skipped, not waited
+        other.rollback()
+    (rest,) = store.claim_calls("w", limit=2)
+    assert rest.call.id == first_id

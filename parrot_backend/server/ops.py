@@ -17,9 +17,11 @@ router = APIRouter(tags=["ops"])
 @router.get("/healthz", response_model=Health,
             responses={503: {"description": "The engine does not answer"}})
 async def healthz(state: StateDep):
-    """Liveness: the engine answers a stats call within a second. Says nothing else, since
-    it is open to unauthenticated callers."""
+    """Liveness: the engine's loop has not died and it answers a stats call within a
+    second. Says nothing else, since it is open to unauthenticated callers."""
     try:
+        if getattr(state.engine, "error", None) is not None:  # the engine loop died
+            raise RuntimeError("engine failed")
         with anyio.fail_after(1):
             await state.engine.stats()
     except Exception:

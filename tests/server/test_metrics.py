@@ -78,3 +78,11 @@ async def test_auth_and_size_rejections_are_counted(client, app):
     m = _samples((await client.get("/metrics")).text)
     assert m["parrot_requests_rejected_total[('reason', 'auth')]"] == 1
     assert m["parrot_requests_rejected_total[('reason', 'body_too_large')]"] == 1
+
+
+async def test_healthz_reports_a_dead_engine_loop(engine, settings):
+    app = create_app(engine, settings=settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert (await c.get("/healthz")).status_code == 200
+        engine.error = RuntimeError("CUDA error")  # what Engine sets when its loop dies
+        assert (await c.get("/healthz")).status_code == 503

@@ -102,19 +102,19 @@ class TorchAttention(AttentionBackend):
         if decode:
             rows, slots, mask = self._decode_plan(meta, decode, q.device)
             # [n, L, Hkv, D] -> [n, Hkv, L, D], expanded to the query heads (GQA)
-            k = flat_k[slots].transpose(1, 2).repeat_interleave(groups, dim=1)
-            v = flat_v[slots].transpose(1, 2).repeat_interleave(groups, dim=1)
+            k = flat_k[slots].transpose(1, 2)
+            v = flat_v[slots].transpose(1, 2)
             qd = q[rows].unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(
-                qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+                qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=groups > 1
             )
             out[rows] = o.squeeze(2)
         for i in prefill:
             s, e = meta.query_start[i], meta.query_start[i + 1]
             n_ctx = meta.seq_lens[i]
             slots = self._slots(meta, i, n_ctx, q.device)
-            k = flat_k[slots].transpose(0, 1).repeat_interleave(groups, dim=0)  # [Hq, L, D]
-            v = flat_v[slots].transpose(0, 1).repeat_interleave(groups, dim=0)
+            k = flat_k[slots].transpose(0, 1)  # [Hkv, L, D]
+            v = flat_v[slots].transpose(0, 1)
             qn = q[s:e].transpose(0, 1)  # [Hq, n, D]
             n_new = e - s
             # query j sits at position n_ctx - n_new + j and sees keys 0..that position
@@ -122,7 +122,7 @@ class TorchAttention(AttentionBackend):
             pos_k = torch.arange(n_ctx, device=q.device).unsqueeze(0)
             mask = pos_k <= pos_q
             o = F.scaled_dot_product_attention(
-                qn, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+                qn, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=groups > 1
             )
             out[s:e] = o.transpose(0, 1)
         return out

@@ -98,7 +98,8 @@ class Scheduler:
                         (
                             req,
                             OutOfMemory(
-                                f"the KV pool ({self.pool.num_blocks} blocks of {self.pool.block_size} "
+                                f"the KV pool ({self.pool.num_blocks} blocks of "
+                                f"{self.pool.block_size} "
                                 f"tokens) cannot hold this request's {len(ctx.tokens)} tokens"
                             ),
                         )

@@ -115,11 +115,32 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
 
+    def fuse(self) -> None:
+        """Merge q/k/v projections into one matmul (after loading checkpoint weights)."""
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        b = None
+        if self.q_proj.bias is not None:
+            b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        self.qkv_proj = nn.Linear(
+            w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype
+        )
+        self.qkv_proj.weight = nn.Parameter(w, requires_grad=False)
+        if b is not None:
+            self.qkv_proj.bias = nn.Parameter(b, requires_grad=False)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _qkv(self, x):
+        if hasattr(self, "qkv_proj"):
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return self.qkv_proj(x).split([nq, nk, nk], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, positions, rotary, kv_cache, meta, backend: AttentionBackend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, positions), rotary(k, positions)
@@ -138,7 +159,23 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
+    def fuse(self) -> None:
+        """Merge gate and up projections into one matmul."""
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = nn.Linear(
+            w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype
+        )
+        self.gate_up_proj.weight = nn.Parameter(w, requires_grad=False)
+        if self.gate_proj.bias is not None:
+            self.gate_up_proj.bias = nn.Parameter(
+                torch.cat([self.gate_proj.bias, self.up_proj.bias]), requires_grad=False
+            )
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -192,6 +229,12 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, backend)
+
+    def fuse(self) -> None:
+        """Fuse projections for speed; call once after loading weights."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight

@@ -65,4 +65,5 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
             f"unexpected {unexpected[:5]}"
         )
     model.model.rotary = Rotary(config, max_positions).to(device)
+    model.fuse()
     return model.eval(), config

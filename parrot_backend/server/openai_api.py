@@ -138,8 +138,10 @@ def _error_frame(exc: Exception) -> bytes:
 
 
 def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
-    return ClosingEventSourceResponse(body, on_close=run.close, ping_s=state.settings.sse_ping_s,
-                                      send_timeout_s=state.settings.sse_send_timeout_s)
+    settings = state.settings
+    return ClosingEventSourceResponse(body, on_close=run.close, ping_s=settings.sse_ping_s,
+                                      send_timeout_s=settings.sse_send_timeout_s,
+                                      shutdown_grace_s=settings.shutdown_grace_s)
 
 
 # ---- /v1/completions ----

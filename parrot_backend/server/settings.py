@@ -45,8 +45,11 @@ class ServerSettings:
     allow_request_chat_template: bool = False  # let requests carry their own template
     sse_ping_s: float = 15.0
     sse_send_timeout_s: float | None = 30.0  # a frozen client is dropped after this
+    # On server shutdown, streams get this long to finish before they are cancelled.
+    shutdown_grace_s: float = 10.0
     manage_engine: bool = False  # lifespan awaits engine.start() / engine.stop()
     # Secret mixed into the tenant-derived prefix-cache salt; never chosen by a client.
+    # Random per process: set it explicitly when several server processes share engines.
     salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     def __post_init__(self) -> None:
@@ -70,6 +73,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1")
         if self.retry_after_s < 0:
             raise ValueError("retry_after_s must be >= 0")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must be >= 0")
         for key, tenant in self.api_keys.items():
             if not key or not tenant:
                 raise ValueError("api_keys entries need a non-empty key and tenant")

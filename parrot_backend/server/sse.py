@@ -43,13 +43,17 @@ class ClosingEventSourceResponse(EventSourceResponse):
         on_close: Callable[[], Awaitable[None]],
         ping_s: float,
         send_timeout_s: float | None,
+        shutdown_grace_s: float = 0.0,
     ) -> None:
         super().__init__(
             content,
             ping=ping_s,
             sep="\n",
             ping_message_factory=_ping,
+            # A frozen client (not reading) would otherwise hold its engine context forever.
             send_timeout=send_timeout_s,
+            # On shutdown, let running generations finish (drain) before cancelling them.
+            shutdown_grace_period=shutdown_grace_s,
         )
         self._on_close = on_close
 

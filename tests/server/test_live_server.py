@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
 import openai
 import pytest
 
-from .conftest import API_KEY, AUTH, wait_until
+from parrot_backend.server import ServerSettings, create_app
+
+from .conftest import API_KEY, AUTH, KEYS, LiveServer, wait_until
 
 REPLY = "Hello from the fake engine."
 MODEL = "fake-model"
@@ -153,3 +156,30 @@ async def test_hundred_concurrent_streams(live, engine, app):
     assert all(r == REPLY[:20] + "<DONE>" for r in results)
     assert engine.contexts == {} and engine.generating == set()
     assert app.state.parrot.limiter.inflight == 0
+
+
+def test_frozen_client_is_dropped_and_its_context_freed(engine):
+    """A client that stops reading (but keeps the socket open) must not hold an engine
+    context forever: once the send buffers fill, the send timeout ends the stream."""
+    engine.endless = True
+    engine.max_model_len = 1_000_000
+    settings = ServerSettings(api_keys=dict(KEYS), sse_send_timeout_s=0.5)
+    with LiveServer(create_app(engine, settings=settings)) as live:
+        body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 900_000,
+                           "stream": True}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", live.port))
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            # never read: the server's writes back up until its send times out
+            assert wait_until(lambda: engine.generations and engine.generations[0].closed,
+                              timeout=20)
+            rec = engine.generations[0]
+            assert rec.finished is None and rec.tokens < 900_000
+            assert wait_until(lambda: engine.contexts == {})
+        finally:
+            sock.close()

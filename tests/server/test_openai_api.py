@@ -3,6 +3,7 @@ context hygiene."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -294,3 +295,25 @@ def test_stream_json_lines_are_compact(engine):
     for line in r.text.split("\n"):
         if line.startswith("data: {"):
             assert json.loads(line[6:])
+
+
+async def test_many_streams_leave_no_tasks_or_contexts(client, engine, app):
+    """100 concurrent streams in-process, twice: afterwards no task, context or slot is
+    left over, so load does not leak."""
+    async def one(i: int) -> str:
+        r = await client.post("/v1/chat/completions", json={
+            "model": "fake-model", "messages": [{"role": "user", "content": f"m{i}"}],
+            "stream": True, "max_tokens": 8, "n": 1 + i % 2})
+        return r.text
+
+    tasks_after = []
+    for _ in range(2):
+        bodies = await asyncio.gather(*(one(i) for i in range(100)))
+        assert all(b.endswith("data: [DONE]\n\n") for b in bodies)
+        await asyncio.sleep(0.05)
+        assert engine.contexts == {} and engine.generating == set()
+        assert app.state.parrot.limiter.inflight == 0
+        tasks_after.append(len(asyncio.all_tasks()))
+    # the first round may start sse-starlette's one-per-loop shutdown watcher; after that
+    # the task count must not grow
+    assert tasks_after[1] <= tasks_after[0] <= 3

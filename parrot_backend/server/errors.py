@@ -86,8 +86,11 @@ def from_engine_error(exc: EngineError) -> APIError:
     if isinstance(exc, (ContextNotFound, ContextBusy)):
         log.error("engine context error (a server bug): %s", exc)
         return APIError(500, "internal error while scheduling the request", type="server_error")
-    log.error("engine error: %r", exc)
-    return APIError(500, "the engine failed to run the request", type="server_error")
+    # Anything else: the engine is stopped or its loop died. 503 tells clients and load
+    # balancers to retry elsewhere or later; the details stay in the log.
+    log.error("engine unavailable: %r", exc)
+    return APIError(503, "the engine is unavailable; retry later", code="engine_unavailable",
+                    headers={"Retry-After": "5"})
 
 
 def _format_loc(loc: tuple) -> str:

@@ -11,9 +11,8 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..engine.errors import EngineError
 from ..engine.sampling import SamplingParams
-from .errors import APIError, from_engine_error
+from .errors import APIError
 from .generation import RequestRun
 from .openai_prep import (
     build_sampling,
@@ -25,20 +24,16 @@ from .openai_prep import (
 from .openai_schemas import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     CompletionChoice,
-    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
-    Usage,
 )
-from .sse import DONE_FRAME, ClosingEventSourceResponse, data_frame
+from .openai_stream import chat_events, completion_events, usage_of
+from .sse import ClosingEventSourceResponse
 from .state import ServerState, StateDep, get_tenant
 
 log = logging.getLogger(__name__)
@@ -119,24 +114,6 @@ async def _collect(run: RequestRun, request: Request) -> list[str] | None:
     return ["".join(t) for t in texts]
 
 
-def _usage(run: RequestRun) -> Usage:
-    return Usage(prompt_tokens=run.prompt_tokens, completion_tokens=run.total_completion_tokens,
-                 total_tokens=run.prompt_tokens + run.total_completion_tokens)
-
-
-def _error_frame(exc: Exception) -> bytes:
-    """Headers are already sent, so a failure becomes an `error` payload; the openai SDK
-    raises on it, so clients see the failure instead of a silently short answer."""
-    if isinstance(exc, APIError):
-        err = exc
-    elif isinstance(exc, EngineError):
-        err = from_engine_error(exc)
-    else:
-        log.error("generation failed mid-stream: %r", exc)
-        err = APIError(500, "internal error during generation", type="server_error")
-    return data_frame(err.body())
-
-
 def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
     settings = state.settings
     return ClosingEventSourceResponse(body, on_close=run.close, ping_s=settings.sse_ping_s,
@@ -161,7 +138,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     echo = prompt_text if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(state, _completion_events(run, meta, echo, include_usage), run)
+        return _sse(state, completion_events(run, meta, echo, include_usage), run)
     try:
         texts = await _collect(run, request)
     finally:
@@ -170,37 +147,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         return Response(status_code=499)  # nobody is listening
     choices = [CompletionChoice(index=i, text=echo + t, finish_reason=run.finish_reasons[i])
                for i, t in enumerate(texts)]
-    return CompletionResponse(**meta, choices=choices, usage=_usage(run))
-
-
-async def _completion_events(run: RequestRun, meta: dict, echo: str,
-                             include_usage: bool) -> AsyncIterator[bytes]:
-    echoed: set[int] = set()
-    try:
-        async for index, delta in run:
-            text = delta.text
-            if echo and index not in echoed:
-                echoed.add(index)
-                text = echo + text
-            if text:
-                yield _completion_chunk(meta, index, text, None)
-            if delta.finish_reason is not None:
-                yield _completion_chunk(meta, index, "", delta.finish_reason)
-        if include_usage:
-            yield data_frame(CompletionChunk(**meta, choices=[], usage=_usage(run))
-                             .model_dump(mode="json"))
-        yield DONE_FRAME
-    except Exception as exc:
-        yield _error_frame(exc)
-        yield DONE_FRAME
-    finally:
-        await run.close()
-
-
-def _completion_chunk(meta: dict, index: int, text: str, finish: str | None) -> bytes:
-    chunk = CompletionChunk(**meta, choices=[CompletionChoice(index=index, text=text,
-                                                              finish_reason=finish)])
-    return data_frame(chunk.model_dump(mode="json"))
+    return CompletionResponse(**meta, choices=choices, usage=usage_of(run))
 
 
 # ---- /v1/chat/completions ----
@@ -223,7 +170,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(state, _chat_events(run, meta, include_usage), run)
+        return _sse(state, chat_events(run, meta, include_usage), run)
     try:
         texts = await _collect(run, request)
     finally:
@@ -232,31 +179,4 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         return Response(status_code=499)
     choices = [ChatChoice(index=i, message=AssistantMessage(content=t),
                           finish_reason=run.finish_reasons[i]) for i, t in enumerate(texts)]
-    return ChatCompletionResponse(**meta, choices=choices, usage=_usage(run))
-
-
-async def _chat_events(run: RequestRun, meta: dict, include_usage: bool) -> AsyncIterator[bytes]:
-    try:
-        # The first delta of each choice carries the role, as OpenAI's does.
-        for index in range(run.n):
-            yield _chat_chunk(meta, index, ChatDelta(role="assistant", content=""), None)
-        async for index, delta in run:
-            if delta.text:
-                yield _chat_chunk(meta, index, ChatDelta(content=delta.text), None)
-            if delta.finish_reason is not None:
-                yield _chat_chunk(meta, index, ChatDelta(), delta.finish_reason)
-        if include_usage:
-            yield data_frame(ChatCompletionChunk(**meta, choices=[], usage=_usage(run))
-                             .model_dump(mode="json"))
-        yield DONE_FRAME
-    except Exception as exc:
-        yield _error_frame(exc)
-        yield DONE_FRAME
-    finally:
-        await run.close()
-
-
-def _chat_chunk(meta: dict, index: int, delta: ChatDelta, finish: str | None) -> bytes:
-    chunk = ChatCompletionChunk(**meta, choices=[ChatChunkChoice(index=index, delta=delta,
-                                                                 finish_reason=finish)])
-    return data_frame(chunk.model_dump(mode="json"))
+    return ChatCompletionResponse(**meta, choices=choices, usage=usage_of(run))

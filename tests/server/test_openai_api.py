@@ -317,3 +317,17 @@ async def test_many_streams_leave_no_tasks_or_contexts(client, engine, app):
     # the first round may start sse-starlette's one-per-loop shutdown watcher; after that
     # the task count must not grow
     assert tasks_after[1] <= tasks_after[0] <= 3
+
+
+async def test_stopped_or_dead_engine_is_503_not_500(client, engine, app):
+    from parrot_backend.engine.errors import EngineError
+
+    async def dead_fill(*args, **kwargs):
+        raise EngineError("engine not started: await engine.start() first")
+
+    engine.fill = dead_fill
+    r = await client.post("/v1/completions", json={"model": "fake-model", "prompt": "p"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json()["error"]["code"] == "engine_unavailable"
+    assert "start()" not in r.json()["error"]["message"]
+    assert app.state.parrot.limiter.inflight == 0

@@ -83,13 +83,15 @@ class Case:
     def shared_fn(self) -> Callable[[], torch.Tensor]:
         hq, hkv, _ = self.shape
         spec = GroupSpec(list(range(self.group)), self.lens, self.prefix, self.prefix_blocks)
-        plan = plan_shared_prefix([spec], hq // hkv, hkv, BLOCK, self.q.device)
+        plan = plan_shared_prefix([spec], hq // hkv, hkv, BLOCK, self.q.device,
+                                  dtype=self.q.dtype)
         return lambda: run_shared_prefix(plan, self.q, self.k, self.v, self.tables,
                                          self.scale)[0]
 
     def paged_fn(self) -> Callable[[], torch.Tensor]:
         hq, hkv, _ = self.shape
-        plan = plan_decode(range(self.group), self.lens, None, hq // hkv, hkv, self.q.device)
+        plan = plan_decode(range(self.group), self.lens, None, hq // hkv, hkv, self.q.device,
+                           dtype=self.q.dtype)
         return lambda: run_decode(plan, self.q, self.k, self.v, self.tables, self.scale)[0]
 
     def sdpa_bytes(self) -> int:

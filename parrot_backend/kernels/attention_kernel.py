@@ -43,11 +43,13 @@ def _paged_attn_kernel(
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     stride_bt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    scale, head_dim, block_size, split_len,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr,
-    IEEE: tl.constexpr,
+    scale, split_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, IEEE: tl.constexpr,
 ):
+    # HEAD_DIM and BLOCK_SIZE are compile-time so that a head-dim mask known to be all-true
+    # lets K/V loads vectorize, and block lookups become shifts
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,7 +68,7 @@ def _paged_attn_kernel(
     head = kvh * GROUP + rows % GROUP
     row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (tok < n_tok)
     ds = tl.arange(0, BLOCK_D)
-    d_ok = ds < head_dim
+    d_ok = ds < HEAD_DIM
     q_off = (q_tok0 + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_ptr + q_off + ds[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -84,8 +86,8 @@ def _paged_attn_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         k_ok = pos < hi
-        blk = tl.load(bt_ptr + trow * stride_bt + pos // block_size, mask=k_ok, other=0)
-        off = (pos % block_size).to(tl.int64)
+        blk = tl.load(bt_ptr + trow * stride_bt + pos // BLOCK_SIZE, mask=k_ok, other=0)
+        off = (pos % BLOCK_SIZE).to(tl.int64)
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k_addr = blk.to(tl.int64) * stride_kb + off * stride_ko + kvh * stride_kh
         k = tl.load(kc_ptr + k_addr[:, None] + ds[None, :], mask=kv_mask, other=0.0)
@@ -162,9 +164,13 @@ def choose_splits(programs: int, max_kv: int, block_n: int, device: torch.device
     return max(1, min(want, by_len, 128))
 
 
-def default_block_n(device: torch.device) -> int:
-    """KV positions per loop iteration (a multiple of 16 for tl.dot)."""
-    return 64
+def default_block_n(dtype: torch.dtype | None) -> int:
+    """KV positions per loop iteration (a multiple of 16 for tl.dot).
+
+    64 keeps bf16/fp16 tiles in registers on sm_80/sm_90 (see `aot_check`); fp32 runs
+    IEEE dots on the FMA path and spills less with 32.
+    """
+    return 32 if dtype == torch.float32 else 64
 
 
 def launch(
@@ -204,8 +210,9 @@ def launch(
             block_tables.stride(0),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            float(scale), d, k_cache.shape[1], max(1, int(split_len)),
-            GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+            float(scale), max(1, int(split_len)),
+            GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
             CAUSAL=causal, STORE_LSE=lse is not None, IEEE=q.dtype == torch.float32,
             num_warps=4 if block_m <= 64 else 8,
         )

@@ -80,14 +80,15 @@ class TritonAttention(AttentionBackend):
 
     def _plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
         hq, hkv = q.shape[1], k_cache.shape[2]
-        key = ("triton", str(q.device), hq, hkv)
+        key = ("triton", str(q.device), q.dtype, hq, hkv)
         if key not in meta.cache:
-            meta.cache[key] = build_plan(meta, hq // hkv, hkv, q.device)
+            meta.cache[key] = build_plan(meta, hq // hkv, hkv, q.device, q.dtype)
         return meta.cache[key]
 
 
 def build_plan(
     meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
+    dtype: torch.dtype | None = None,
 ) -> _StepPlan:
     """Sort the step's sequences into extend, plain decode and shared-prefix launches."""
     n = meta.num_seqs
@@ -107,13 +108,14 @@ def build_plan(
 
     extend = None
     if extend_seqs:
-        extend = plan_extend(extend_seqs, meta.query_start, meta.seq_lens, group, device)
+        extend = plan_extend(extend_seqs, meta.query_start, meta.seq_lens, group, device,
+                             dtype=dtype)
 
     decode = decode_rows = None
     if plain:
         rows = [meta.query_start[i] for i in plain]
         decode = plan_decode(rows, [meta.seq_lens[i] for i in plain], None, group,
-                             num_kv_heads, device, table_rows=plain)
+                             num_kv_heads, device, table_rows=plain, dtype=dtype)
         decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
 
     shared = shared_rows = None
@@ -125,6 +127,7 @@ def build_plan(
                                g.prefix_len, list(g.prefix_blocks)))
         rows += [meta.query_start[i] for i in g.seq_indices]
     if specs:
-        shared = plan_shared_prefix(specs, group, num_kv_heads, meta.block_size, device)
+        shared = plan_shared_prefix(specs, group, num_kv_heads, meta.block_size, device,
+                                    dtype=dtype)
         shared_rows = torch.tensor(rows, dtype=torch.long, device=device)
     return _StepPlan(bt, extend, decode, decode_rows, shared, shared_rows)

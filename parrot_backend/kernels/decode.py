@@ -56,10 +56,12 @@ def plan_decode(
     q_rows: Sequence[int], seq_lens: Sequence[int], kv_start: Sequence[int] | None,
     group: int, num_kv_heads: int, device: torch.device, *, num_splits: int | None = None,
     block_n: int | None = None, table_rows: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> DecodePlan:
     """One tile per sequence: query row `q_rows[i]` -> output row i, block-table row
-    `table_rows[i]` (default i), KV positions `kv_start[i]..seq_lens[i]-1`."""
-    block_n = block_n or ak.default_block_n(device)
+    `table_rows[i]` (default i), KV positions `kv_start[i]..seq_lens[i]-1`. `dtype` (of q)
+    picks the default KV step."""
+    block_n = block_n or ak.default_block_n(dtype)
     block_m = ak.block_m_for(group, group)
     starts = list(kv_start) if kv_start is not None else [0] * len(seq_lens)
     tables = list(table_rows) if table_rows is not None else list(range(len(seq_lens)))
@@ -111,5 +113,6 @@ def paged_decode_triton(
     """Triton version of `paged_decode_ref`; `num_splits` forces the split-KV count."""
     require_triton()
     plan = plan_decode(range(q.shape[0]), seq_lens, kv_start, q.shape[1] // k_cache.shape[2],
-                       k_cache.shape[2], q.device, num_splits=num_splits, block_n=block_n)
+                       k_cache.shape[2], q.device, num_splits=num_splits, block_n=block_n,
+                       dtype=q.dtype)
     return run_decode(plan, q, k_cache, v_cache, block_tables, scale, out)

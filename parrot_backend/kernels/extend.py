@@ -49,9 +49,10 @@ class ExtendPlan:
 def plan_extend(
     seqs: Sequence[int], query_start: Sequence[int], seq_lens: Sequence[int], group: int,
     device: torch.device, *, block_m: int | None = None, block_n: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ExtendPlan:
     """Tiles of consecutive new tokens for the listed sequences; output rows = q rows."""
-    block_n = block_n or ak.default_block_n(device)
+    block_n = block_n or ak.default_block_n(dtype)
     block_m = block_m or ak.block_m_for(64, group, cap=64)
     items = []
     for i in seqs:
@@ -83,6 +84,6 @@ def extend_attention_triton(
     out = torch.empty_like(q) if out is None else out
     plan = plan_extend(range(len(seq_lens)), query_start, seq_lens,
                        q.shape[1] // k_cache.shape[2], q.device, block_m=block_m,
-                       block_n=block_n)
+                       block_n=block_n, dtype=q.dtype)
     run_extend(plan, q, k_cache, v_cache, block_tables, scale, out)
     return out

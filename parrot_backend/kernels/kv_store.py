@@ -28,8 +28,9 @@ def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch, stride_vcb, stride_vco, stride_vch,
-    num_heads, head_dim, block_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    block_size,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # one program per token: its whole [Hkv, D] row moves as one tile
     t = tl.program_id(0)
@@ -39,7 +40,7 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + t + hs * 0).to(tl.int64)
     blk = slot // block_size
     off = slot % block_size
-    mask = (hs < num_heads) & (ds < head_dim) & (slot >= 0)
+    mask = (hs < NUM_HEADS) & (ds < HEAD_DIM) & (slot >= 0)
     k = tl.load(k_ptr + t * stride_kt + hs * stride_kh + ds, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + hs * stride_vh + ds, mask=mask)
     tl.store(kc_ptr + blk * stride_cb + off * stride_co + hs * stride_ch + ds,
@@ -67,6 +68,6 @@ def store_kv_triton(
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            h, d, k_cache.shape[1],
-            BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d),
+            k_cache.shape[1],
+            NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d),
         )

@@ -28,15 +28,16 @@ def merge_states_ref(
 
 @jit
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, lse_out_ptr, num_parts, num_rows, head_dim,
+    o_ptr, lse_ptr, out_ptr, lse_out_ptr, num_parts, num_rows,
     stride_os, stride_or, stride_ls,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     # a tile of BLOCK_R (token, head) rows; two passes over the parts: max, then sum
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < num_rows
     ds = tl.arange(0, BLOCK_D)
-    mask = r_ok[:, None] & (ds[None, :] < head_dim)
+    mask = r_ok[:, None] & (ds[None, :] < HEAD_DIM)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in range(0, num_parts):
         lse_s = tl.load(lse_ptr + s * stride_ls + rows, mask=r_ok, other=float("-inf"))
@@ -53,7 +54,7 @@ def _merge_kernel(
         total += w
     has = total > 0.0
     out = acc / tl.where(has, total, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * head_dim + ds[None, :],
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + ds[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
         lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
@@ -83,12 +84,13 @@ def merge_states_triton(
     block_r = 16
     with launch_guard():
         _merge_kernel[(triton_cdiv(rows, block_r),)](
-            o2, l2, out, lse if lse is not None else l2, s, rows, d,
+            o2, l2, out, lse if lse is not None else l2, s, rows,
             o2.stride(0), o2.stride(1), l2.stride(0),
-            BLOCK_R=block_r, BLOCK_D=next_pow2(d), STORE_LSE=want_lse,
+            HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=next_pow2(d), STORE_LSE=want_lse,
         )
     return out, lse
 
 
 def triton_cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
     return -(-a // b)

@@ -82,12 +82,13 @@ def plan_shared_prefix(
     groups: Sequence[GroupSpec], group: int, num_kv_heads: int, block_size: int,
     device: torch.device, *, prefix_splits: int | None = None,
     suffix_splits: int | None = None, block_n: int | None = None, max_block_m: int = 128,
+    dtype: torch.dtype | None = None,
 ) -> SharedPrefixPlan:
     """Plan the passes for groups whose members are packed in order in q.
 
     The prefix tile is as tall as the largest group (up to `max_block_m` rows).
     """
-    block_n = block_n or ak.default_block_n(device)
+    block_n = block_n or ak.default_block_n(dtype)
     largest = max((len(g.table_rows) for g in groups), default=1)
     block_m = ak.block_m_for(largest * group, group, cap=max_block_m)
     items, q_rows, tables, starts, lens = [], [], [], [], []
@@ -121,7 +122,8 @@ def plan_shared_prefix(
     split_len = math.ceil(max(longest, 1) / max(1, prefix_splits) / block_n) * block_n
     prefix_splits = math.ceil(max(longest, 1) / split_len)
     suffix = plan_decode(q_rows, lens, starts, group, num_kv_heads, device,
-                         num_splits=suffix_splits, block_n=block_n, table_rows=tables)
+                         num_splits=suffix_splits, block_n=block_n, table_rows=tables,
+                         dtype=dtype)
     return SharedPrefixPlan(tiles, prefix_tables.to(device), prefix_splits, split_len,
                             block_m, block_n, suffix, row)
 
@@ -158,7 +160,7 @@ def shared_prefix_decode_triton(
     hkv = k_cache.shape[2]
     plan = plan_shared_prefix([spec], q.shape[1] // hkv, hkv, k_cache.shape[1], q.device,
                               prefix_splits=prefix_splits, suffix_splits=suffix_splits,
-                              block_n=block_n, max_block_m=max_block_m)
+                              block_n=block_n, max_block_m=max_block_m, dtype=q.dtype)
     return run_shared_prefix(plan, q, k_cache, v_cache, block_tables, scale, out)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from fastapi import APIRouter, Request
@@ -38,6 +39,8 @@ from .state import ServerState, StateDep, get_tenant
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 _STREAM_DOC = {200: {"content": {"text/event-stream": {}},
@@ -64,8 +67,10 @@ def _card(state: ServerState) -> ModelCard:
 
 
 async def _admit(state: ServerState, request: Request, prompt_ids: list[int],
-                 sampling: SamplingParams, n: int, endpoint: str, started: float) -> RequestRun:
-    """Take an in-flight slot (429 beyond the bound) and prefill the prompt."""
+                 sampling: SamplingParams, n: int, endpoint: str,
+                 started: float) -> RequestRun | None:
+    """Take an in-flight slot (429 beyond the bound) and prefill the prompt. Returns None
+    when the client left during the prefill (it may wait in the engine's queue)."""
     try:
         slot = state.limiter.acquire()
     except APIError:
@@ -77,17 +82,24 @@ async def _admit(state: ServerState, request: Request, prompt_ids: list[int],
         endpoint=endpoint, slot=slot, started=started,
     )
     try:
-        await run.prefill()
+        disconnected, _ = await until_disconnect(request, run.prefill)
     except BaseException:
         await run.close()
         raise
+    if disconnected:
+        await run.close()
+        return None
     return run
 
 
-async def _collect(run: RequestRun, request: Request) -> list[str] | None:
-    """Run to the end, or return None as soon as the client disconnects (which cancels
-    the engine's work through run.close() in the caller)."""
-    texts: list[list[str]] = [[] for _ in range(run.n)]
+async def until_disconnect(request: Request, fn: Callable[[], Awaitable[T]]
+                           ) -> tuple[bool, T | None]:
+    """Await `fn()` but cancel it as soon as the client disconnects.
+
+    Returns (disconnected, result). Cancelling the engine call is what stops the work;
+    the caller's RequestRun.close() then frees the contexts.
+    """
+    result: T | None = None
     error: Exception | None = None
     disconnected = False
     async with anyio.create_task_group() as tg:
@@ -102,16 +114,25 @@ async def _collect(run: RequestRun, request: Request) -> list[str] | None:
 
         tg.start_soon(watch)
         try:
-            async for index, delta in run:
-                texts[index].append(delta.text)
+            result = await fn()
         except Exception as exc:  # re-raised below, outside the task group's wrapping
             error = exc
         tg.cancel_scope.cancel()
     if error is not None:
         raise error
-    if disconnected:
-        return None
-    return ["".join(t) for t in texts]
+    return disconnected, result
+
+
+async def _collect(run: RequestRun, request: Request) -> list[str] | None:
+    """Run every choice to the end; None when the client disconnected first."""
+    texts: list[list[str]] = [[] for _ in range(run.n)]
+
+    async def drain() -> None:
+        async for index, delta in run:
+            texts[index].append(delta.text)
+
+    disconnected, _ = await until_disconnect(request, drain)
+    return None if disconnected else ["".join(t) for t in texts]
 
 
 def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
@@ -133,6 +154,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
     sampling = build_sampling(state, body, max_tokens)
     run = await _admit(state, request, prompt_ids, sampling, n, "completions", started)
+    if run is None:
+        return Response(status_code=499)  # the client left during the prefill
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
     echo = prompt_text if body.echo else ""
@@ -166,6 +189,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
     sampling = build_sampling(state, body, max_tokens)
     run = await _admit(state, request, prompt_ids, sampling, n, "chat", started)
+    if run is None:
+        return Response(status_code=499)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
     if body.stream:

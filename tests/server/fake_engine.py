@@ -47,6 +47,8 @@ class FakeEngine:
     step_delay: float = 0.0
     fail_after: int | None = None  # raise after this many tokens (mid-stream error tests)
     fail_with: Exception | None = None
+    fill_delay: float = 0.0  # as if the prefill waited in a busy engine's queue
+    fills_cancelled: int = 0
     contexts: dict = field(default_factory=dict)  # id -> token ids
     parents: dict = field(default_factory=dict)  # child id -> parent id
     generating: set = field(default_factory=set)
@@ -86,8 +88,14 @@ class FakeEngine:
         tokens = self.contexts[context_id]
         if len(tokens) + len(token_ids) > self.max_model_len:
             raise InvalidRequest("prompt longer than max_model_len")
-        tokens.extend(token_ids)
+        tokens.extend(token_ids)  # like the real engine: the context exists while it waits
         self.fills.append((context_id, parent_id, len(token_ids), salt))
+        if self.fill_delay:
+            try:
+                await asyncio.sleep(self.fill_delay)
+            except asyncio.CancelledError:
+                self.fills_cancelled += 1
+                raise
         return len(tokens)
 
     def generate(self, context_id, parent_id, sampling: SamplingParams, *, salt=None

@@ -183,3 +183,16 @@ def test_frozen_client_is_dropped_and_its_context_freed(engine):
             assert wait_until(lambda: engine.contexts == {})
         finally:
             sock.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_during_prefill_cancels_it(live, engine, stream):
+    engine.fill_delay = 5.0  # the prompt waits in a saturated engine
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=AUTH,
+                          timeout=0.3) as r:
+            r.read()
+    assert wait_until(lambda: engine.fills_cancelled == 1, timeout=3)
+    assert wait_until(lambda: engine.contexts == {})
+    assert engine.generations == []  # nothing was generated for a client that left

@@ -1,0 +1,102 @@
+"""Run events: the listener hook (write-before-acknowledge) and the in-memory stream per run.
+
+Every state change of a run is an event `(run_id, type, payload)`. The manager awaits each
+`RunListener` before the change becomes visible (to `get()` waiters, `run_status` and
+subscribers), so a store that writes events in `on_event` has persisted a value before any
+client can see it. A listener that raises makes the change fail: for a call event the call
+fails, for `create_run` the run is not created.
+
+Event types and payloads (all JSON-ready):
+
+- `run_created`     {"program": ProgramSpec dict, "inputs", "outputs", "open", "tenant"}
+- `calls_added`     {"calls": [CallSpec dicts, every call named]}
+- `objectives`      {"calls": {call: {"objective": "latency"|"throughput", "group": int|None}}}
+- `run_closed`      {}
+- `call_started`    {"call", "engine", "objective", "group", "prefix_tokens"}
+- `token`           {"call", "variable", "text", "token_id"}
+- `variable_ready`  {"name", "value", "source": "input"|"call", "call": str|None}
+- `variable_failed` {"name", "error"}
+- `call_finished`   {"call"}
+- `call_failed`     {"call", "error"}
+- `run_finished`    {"status": "finished"|"failed"|"cancelled"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+EVENT_TYPES = (
+    "run_created",
+    "calls_added",
+    "objectives",
+    "run_closed",
+    "call_started",
+    "token",
+    "variable_ready",
+    "variable_failed",
+    "call_finished",
+    "call_failed",
+    "run_finished",
+)
+
+
+@runtime_checkable
+class RunListener(Protocol):
+    """Called for every run event, before the change it reports becomes visible."""
+
+    async def on_event(self, run_id: str, type: str, payload: dict[str, Any]) -> None: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """One event of a run; `seq` counts from 1 per run, without gaps."""
+
+    run_id: str
+    seq: int
+    type: str
+    payload: dict[str, Any]
+
+
+class EventLog:
+    """The events of one run, kept in memory, with live subscribers.
+
+    `subscribe(after)` replays the events after seq `after`, then follows new ones until
+    the log is closed (the run finished or was forgotten).
+    """
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.events: list[Event] = []
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def append(self, type: str, payload: dict[str, Any]) -> Event:
+        """Record an event (already acknowledged by the listeners) and wake subscribers."""
+        event = Event(self.run_id, len(self.events) + 1, type, payload)
+        self.events.append(event)
+        self._wake()
+        return event
+
+    def close(self) -> None:
+        """No more events: subscribers end after draining what is logged."""
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        # one Event per generation: waiters that woke keep theirs, new waiters get a fresh one
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def subscribe(self, after: int = 0) -> AsyncIterator[Event]:
+        """Events with `seq > after`, live, until the log closes."""
+        sent = max(after, 0)
+        while True:
+            while sent < len(self.events):
+                sent += 1
+                yield self.events[sent - 1]
+            if self.closed:
+                return
+            await self._changed.wait()

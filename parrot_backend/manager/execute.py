@@ -1,0 +1,157 @@
+"""Running one call's plan on an engine: fill, generate each output, fill what follows.
+
+Contexts: the call gets its own context, forked from a shared prefix context when it has
+one (`parent_id`), so the prefix's KV is shared, never copied or recomputed.
+
+Stop strings: a generation that stops on a stop string leaves the stop text's tokens in
+its context, although the variable's value excludes them. When more of the template
+follows such an output, the output is generated in a child context; if it stopped with
+`finish_reason == "stop"` and the output has stop strings, the manager forks another
+child from the context before the output and fills the value's tokens (segment-wise, like
+any value), so the context holds exactly the template with the value substituted. (An EOS
+stop needs no re-fill, but the two cannot be told apart from the stream, so both re-fill:
+the rule is the same in every path and tests' reference path follows it.) Otherwise the
+next segments are filled straight into the generating context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from parrot_backend.engine.errors import ContextNotFound
+from parrot_backend.engine.interface import EngineClient, TokenDelta
+
+from .render import CallPlan, Step
+
+_ids = itertools.count()
+
+OnToken = Callable[[Step, TokenDelta], Awaitable[None]]
+OnValue = Callable[[Step, str], Awaitable[None]]
+
+
+class EmptyPrompt(ValueError):
+    """A call has nothing before its first output: the engine cannot generate from nothing."""
+
+
+def new_context_id(prefix: str = "call") -> str:
+    """A context id unique in this process."""
+    return f"{prefix}:{next(_ids)}"
+
+
+@dataclass(slots=True)
+class _Ctx:
+    """A context of this call; created on the engine by its first fill or generate."""
+
+    id: str
+    parent: Hashable | None
+    created: bool = False
+
+    def child(self) -> _Ctx:
+        # a context not created yet holds exactly its parent's tokens: fork from that
+        return _Ctx(new_context_id(), self.id if self.created else self.parent)
+
+
+class CallRunner:
+    """Runs a plan on one engine and frees every context it created, children first."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        salt: str | None,
+        engine_kwargs: dict[str, Any],
+        tokenize: Callable[[str], list[int]],
+    ) -> None:
+        self.engine = engine
+        self.salt = salt
+        self.kwargs = engine_kwargs
+        self.tokenize = tokenize
+        self.owned: list[_Ctx] = []
+
+    async def run(
+        self,
+        plan: CallPlan,
+        fork_from: str | None,
+        skip: int,
+        known: dict[str, str],
+        on_token: OnToken,
+        on_value: OnValue,
+    ) -> None:
+        """Run `plan`, its first `skip` prompt tokens already in context `fork_from`.
+
+        Outputs in `known` (recovered values) are filled, not generated.
+        """
+        cur = _Ctx(new_context_id(), fork_from)
+        rest = plan.prompt[skip:]
+        if rest:
+            await self._fill(cur, rest)
+        elif fork_from is None:
+            raise EmptyPrompt("the call's template has no text or value before its first output")
+        for i, step in enumerate(plan.steps):
+            if step.output in known:
+                await self._fill(cur, self.tokenize(known[step.output]))
+            else:
+                cur = await self._generate(cur, step, i + 1 < len(plan.steps), on_token, on_value)
+            if step.then:
+                await self._fill(cur, step.then)
+
+    async def _generate(
+        self, cur: _Ctx, step: Step, more: bool, on_token: OnToken, on_value: OnValue
+    ) -> _Ctx:
+        fork = more and bool(step.config.stop)
+        target = cur.child() if fork else cur
+        parent = None if target.created else target.parent
+        self._own(target)
+        stream = self.engine.generate(
+            target.id,
+            parent,
+            step.config.to_sampling(),
+            salt=self._salt(target),
+            **self.kwargs,
+        )
+        target.created = True
+        parts: list[str] = []
+        finish = None
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                if delta.text:
+                    parts.append(delta.text)
+                    await on_token(step, delta)
+                finish = delta.finish_reason
+        value = "".join(parts)
+        await on_value(step, value)
+        if fork and finish == "stop":
+            target = cur.child()
+            await self._fill(target, self.tokenize(value))
+        return target
+
+    async def _fill(self, ctx: _Ctx, tokens: list[int]) -> None:
+        if not tokens:
+            return  # an uncreated context stays lazy: the next request forks it
+        self._own(ctx)
+        await self.engine.fill(
+            ctx.id,
+            None if ctx.created else ctx.parent,
+            list(tokens),
+            salt=self._salt(ctx),
+            **self.kwargs,
+        )
+        ctx.created = True
+
+    def _salt(self, ctx: _Ctx) -> str | None:
+        # a fork inherits its parent's salt (a public prefix keeps None)
+        return self.salt if ctx.parent is None and not ctx.created else None
+
+    def _own(self, ctx: _Ctx) -> None:
+        if ctx not in self.owned:
+            self.owned.append(ctx)
+
+    async def free(self) -> None:
+        """Free the contexts this call created, newest (children) first."""
+        for ctx in reversed(self.owned):
+            with contextlib.suppress(ContextNotFound):
+                await self.engine.free(ctx.id)
+        self.owned.clear()

@@ -1,0 +1,594 @@
+"""The run executor: runs programs on engines, with no client round trip between calls.
+
+`Manager` holds N engines (one model) and the runs. A call whose inputs all have values
+is *ready*: it is rendered (segment-wise tokens, `render.py`), its prefixes are computed
+(`prefix.py`), and it waits for the dispatcher. Each dispatcher round takes every ready
+call, picks which prefixes to share (`sharing.py`), asks `policy.schedule` for engines,
+and starts the assigned calls. A running call forks from its shared prefix, fills and
+generates (`execute.py`); every generated value makes its consumers ready at once.
+
+Objectives come from `objectives.deduce` over the run's declared outputs and the
+variables clients wait for with `get(perf=...)`; latency calls run at engine priority 0,
+throughput calls at 1. Every state change is an event: listeners are awaited before the
+change becomes visible (`events.py`).
+
+One manager serves one model: every engine must have the same `model_name` (prefix keys
+and segment tokens are computed once per call, with the first engine's tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from parrot_backend.engine.interface import EngineClient, TokenDelta
+from parrot_backend.program import (
+    CallSpec,
+    Criterion,
+    ProgramError,
+    RunSpec,
+    Text,
+    UnknownVariableError,
+)
+
+from .events import Event, EventLog, RunListener
+from .execute import CallRunner
+from .objectives import deduce
+from .policy import EngineSnapshot, PendingCall, PolicyConfig, schedule
+from .prefix import Prefix, call_prefixes
+from .render import CallPlan, Step, TokenCache, plan_call
+from .runs import (
+    CallStatus,
+    Run,
+    RunCancelled,
+    RunClosedError,
+    RunNotFound,
+    RunStatus,
+    VariableFailed,
+)
+from .sharing import SharedPrefixes, shareable
+
+PRIORITY = {"latency": 0, "throughput": 1}  # engine priority: lower runs first
+
+
+@dataclass(slots=True, frozen=True)
+class ManagerConfig:
+    """Knobs of the executor. `policy` holds the scheduling knobs (`policy.py`)."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    static_prefix_min_tokens: int = 4  # a static prefix this long gets its own context
+    delay_samples: int = 100_000  # ready -> dispatch delays kept for benchmarks
+
+
+@dataclass(slots=True)
+class _Ready:
+    """A ready call waiting for the dispatcher."""
+
+    call_id: str  # "<run id>/<call name>", unique across runs
+    run: Run
+    name: str
+    plan: CallPlan
+    prefixes: tuple[Prefix, ...]
+    static_key: str | None
+    enqueued_at: float
+    shared: tuple[Prefix, ...] = ()
+
+
+@dataclass(slots=True)
+class _Load:
+    """Calls this manager runs on one engine."""
+
+    batch: int = 0
+    latency: int = 0
+    tokens: int = 0
+
+
+class Manager:
+    """Runs programs on engines. Use as `async with Manager(engines) as m:` (or start/stop).
+
+    All methods must be called on the event loop the manager was started on.
+    """
+
+    def __init__(
+        self,
+        engines: Mapping[str, EngineClient],
+        *,
+        config: ManagerConfig | None = None,
+        listeners: Sequence[RunListener] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not engines:
+            raise ValueError("a manager needs at least one engine")
+        models = {e.model_name for e in engines.values()}
+        if len(models) != 1:
+            raise ValueError(f"one manager serves one model; engines serve {sorted(models)}")
+        self.engines = dict(engines)
+        self.model = models.pop()
+        self.config = config or ManagerConfig()
+        self.listeners = list(listeners)
+        self.clock = clock
+        self.runs: dict[str, Run] = {}
+        self.tokens = TokenCache(next(iter(self.engines.values())).tokenize)
+        self.sharing = SharedPrefixes(self.engines, clock, self._engine_kwargs)
+        self.dispatch_delays: deque[float] = deque(maxlen=self.config.delay_samples)
+        self.calls_dispatched = 0
+        self._priority_kw = {eid: _takes_priority(e) for eid, e in self.engines.items()}
+        self._capacity: dict[str, int] = {}
+        self._load = {eid: _Load() for eid in self.engines}
+        self._pending: dict[str, _Ready] = {}
+        self._wake = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the dispatcher on the running loop."""
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="parrot-dispatch")
+
+    async def stop(self) -> None:
+        """Cancel every running run and stop the dispatcher (engines are not stopped)."""
+        for run in list(self.runs.values()):
+            if run.state == "running":
+                await self.cancel(run.run_id)
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dispatcher
+            self._dispatcher = None
+
+    async def __aenter__(self) -> Manager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ public API
+    async def create_run(
+        self,
+        spec: RunSpec,
+        *,
+        tenant: str | None = None,
+        salt: str | None = None,
+        run_id: str | None = None,
+        known: Mapping[str, str] | None = None,
+    ) -> str:
+        """Start a run; returns its id. Ready calls start at once.
+
+        `salt` (server-derived, per tenant) keys the run's prefixes unless the program is
+        public; without it the tenant name separates tenants. `run_id` lets a store choose
+        the id. `known` gives generated values recovered from a store: calls whose outputs
+        are all known do not run again. Raises ProgramError (bad program or inputs).
+        """
+        program = spec.build()
+        run_id = run_id or uuid.uuid4().hex
+        if run_id in self.runs:
+            raise ValueError(f"run {run_id} already exists")
+        known = dict(known or {})
+        stray = [n for n in known if n not in program.variables or program.variables[n].is_input]
+        if stray:
+            raise ProgramError(f"known values for non-generated variables: {stray}")
+        if program.public:
+            key_salt = None
+        else:
+            key_salt = f"s:{salt}" if salt is not None else f"t:{tenant or ''}"
+        run = Run(
+            run_id, program, tenant, key_salt, spec.open, dict(spec.outputs), EventLog(run_id)
+        )
+        run.calls = {name: CallStatus("waiting") for name in program.calls}
+        self.runs[run_id] = run
+        payload = {
+            "program": spec.program.model_dump(mode="json"),
+            "inputs": dict(spec.inputs),
+            "outputs": dict(spec.outputs),
+            "open": spec.open,
+            "tenant": tenant,
+        }
+        try:
+            await self._emit(run, "run_created", payload)
+        except BaseException:
+            del self.runs[run_id]
+            raise
+        run.values.update(spec.inputs)
+        run.values.update(known)
+        for name, call in program.calls.items():
+            if all(out in known for out in call.outputs):
+                run.calls[name].state = "finished"
+        await self._deduce(run)
+        self._ready_calls(run, program.calls)
+        await self._maybe_finish(run)
+        return run_id
+
+    async def add_calls(self, run_id: str, calls: Sequence[CallSpec]) -> list[str]:
+        """Add calls to an open run; returns their names (unnamed ones become `#<index>`)."""
+        run = self._open_run(run_id)
+        base = len(run.program.calls)
+        built = [spec.build(base + i) for i, spec in enumerate(calls)]
+        given = [o for c in built for o in c.outputs if o in run.values]
+        if given:
+            raise ProgramError(f"variables already given as inputs cannot be generated: {given}")
+        run.program.add_calls(built)
+        payload = {
+            "calls": [
+                spec.model_copy(update={"name": c.name}).model_dump(mode="json")
+                for spec, c in zip(calls, built, strict=True)
+            ]
+        }
+        try:
+            await self._emit(run, "calls_added", payload)
+        except BaseException:
+            for call in reversed(built):
+                run.program._remove(call)  # not recorded: the calls must not exist either
+            raise
+        for call in built:
+            run.calls[call.name] = CallStatus("waiting")
+        await self._deduce(run)
+        names = [c.name for c in built]
+        for name in names:
+            bad = [v for v in run.program.calls[name].inputs if v in run.failed]
+            if bad:
+                await self._fail_calls(
+                    run, {name: f"input {bad[0]!r} failed: {run.failed[bad[0]]}"}
+                )
+        self._ready_calls(run, names)
+        return names
+
+    async def set_input(self, run_id: str, name: str, value: str) -> None:
+        """Give an input variable of an open run its value; its readers become ready."""
+        run = self._open_run(run_id)
+        var = run.program.variables.get(name)
+        if var is not None and var.producer is not None:
+            raise ProgramError(f"variable {name!r} is generated by call {var.producer!r}")
+        if name in run.values:
+            raise ProgramError(f"input {name!r} already has a value")
+        if not isinstance(value, str):
+            raise TypeError(f"input values are strings, got {type(value).__name__}")
+        await self._set_value(run, name, value, source="input", call=None)
+
+    async def close_run(self, run_id: str) -> None:
+        """Close an open run: no more calls or inputs. Every input must have a value."""
+        run = self._open_run(run_id)
+        given = [
+            n
+            for n in run.values
+            if n not in run.program.variables or run.program.variables[n].is_input
+        ]
+        run.program.check_run(given, [o for o in run.outputs if o not in run.values], closed=True)
+        await self._emit(run, "run_closed", {})
+        run.open = False
+        await self._maybe_finish(run)
+
+    async def get(
+        self,
+        run_id: str,
+        name: str,
+        perf: Criterion = "latency",
+        timeout: float | None = None,
+    ) -> str:
+        """Wait for a variable's value. `perf` tells the objective deduction what the
+        client needs. Raises VariableFailed, RunCancelled, UnknownVariableError, or
+        TimeoutError after `timeout` seconds (the run goes on)."""
+        if perf not in PRIORITY:
+            raise ValueError(f"perf must be 'latency' or 'throughput', got {perf!r}")
+        run = self._run(run_id)
+        if name in run.values:
+            return run.values[name]
+        if name in run.failed:
+            raise VariableFailed(run_id, name, run.failed[name])
+        if run.state == "cancelled":
+            raise RunCancelled(f"run {run_id} was cancelled")
+        if name not in run.program.variables and not run.open:
+            raise UnknownVariableError(f"run {run_id} has no variable {name!r}")
+        if run.waits.get(name) != "latency" and run.waits.get(name) != perf:
+            run.waits[name] = perf
+            await self._deduce(run)
+        fut = run.futures.get(name)
+        if fut is None:
+            fut = run.futures[name] = asyncio.get_running_loop().create_future()
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(fut)
+
+    async def cancel(self, run_id: str) -> None:
+        """Stop a run: its calls stop, their engine contexts are freed, and every pending
+        `get` raises RunCancelled. Finished runs are left alone."""
+        run = self._run(run_id)
+        if run.state != "running":
+            return
+        run.state = "cancelled"  # no call of this run starts from here on
+        for cid in [c for c, r in self._pending.items() if r.run is run]:
+            del self._pending[cid]
+        tasks = list(run.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for status in run.calls.values():
+            if status.state not in ("finished", "failed"):
+                status.state = "cancelled"
+        try:
+            await self._emit(run, "run_finished", {"status": "cancelled"})
+        finally:
+            for fut in run.futures.values():
+                if not fut.done():
+                    fut.set_exception(RunCancelled(f"run {run_id} was cancelled"))
+                    fut.exception()  # a waiter may have timed out: no "never retrieved"
+            run.futures.clear()
+            run.log.close()
+
+    def run_status(self, run_id: str) -> RunStatus:
+        """A snapshot of the run: state, calls, values, failures, pending variables."""
+        return self._run(run_id).status()
+
+    def subscribe(self, run_id: str, after: int = 0) -> AsyncIterator[Event]:
+        """The run's events with seq > `after`, then live ones until the run ends."""
+        return self._run(run_id).log.subscribe(after)
+
+    async def forget(self, run_id: str) -> None:
+        """Drop a run from memory (cancelling it first if it still runs)."""
+        await self.cancel(run_id)
+        run = self.runs.pop(run_id)
+        run.log.close()
+
+    # ------------------------------------------------------------------ state changes
+    async def _emit(self, run: Run, type: str, payload: dict[str, Any]) -> Event:
+        """Tell the listeners, then log the event (the caller applies the change after)."""
+        if not self.listeners:
+            return run.log.append(type, payload)
+        async with run.lock:  # listeners see a run's events in seq order
+            for listener in self.listeners:
+                await listener.on_event(run.run_id, type, payload)
+            return run.log.append(type, payload)
+
+    async def _deduce(self, run: Run) -> None:
+        deduction = deduce(run.program, run.criteria())
+        old = run.deduction
+        changed = old is None or old.calls != deduction.calls
+        if changed:
+            calls = {
+                n: {"objective": c.objective, "group": c.group} for n, c in deduction.calls.items()
+            }
+            await self._emit(run, "objectives", {"calls": calls})
+        run.deduction = deduction
+
+    async def _set_value(
+        self, run: Run, name: str, value: str, *, source: str, call: str | None
+    ) -> None:
+        payload = {"name": name, "value": value, "source": source, "call": call}
+        await self._emit(run, "variable_ready", payload)
+        run.values[name] = value
+        run.resolve(name)
+        var = run.program.variables.get(name)
+        if var is not None:
+            self._ready_calls(run, var.consumers)
+
+    async def _fail_calls(self, run: Run, failing: dict[str, str]) -> None:
+        """Fail calls (name -> reason), their unfinished outputs, and everything downstream."""
+        queue = list(failing.items())
+        while queue:
+            name, reason = queue.pop(0)
+            status = run.calls[name]
+            if status.state in ("finished", "failed", "cancelled"):
+                continue
+            self._pending.pop(f"{run.run_id}/{name}", None)
+            await self._emit(run, "call_failed", {"call": name, "error": reason})
+            status.state, status.error = "failed", reason
+            for out in run.program.calls[name].outputs:
+                if out in run.values or out in run.failed:
+                    continue
+                why = (
+                    f"call {name!r} failed: {reason}"
+                    if not reason.startswith("input ")
+                    else (f"call {name!r} not run: {reason}")
+                )
+                await self._emit(run, "variable_failed", {"name": out, "error": why})
+                run.failed[out] = why
+                run.resolve(out)
+                for consumer in run.program.variables[out].consumers:
+                    queue.append((consumer, f"input {out!r} failed: {why}"))
+        await self._maybe_finish(run)
+
+    async def _maybe_finish(self, run: Run) -> None:
+        if run.open or run.state != "running" or not run.all_calls_done():
+            return
+        status = "failed" if any(c.state == "failed" for c in run.calls.values()) else "finished"
+        await self._emit(run, "run_finished", {"status": status})
+        run.state = status
+        run.log.close()
+
+    # ------------------------------------------------------------------ readiness
+    def _ready_calls(self, run: Run, names: Sequence[str] | Mapping[str, Any]) -> None:
+        """Queue every call among `names` that waits and has all its inputs."""
+        if run.state != "running":
+            return
+        queued = False
+        for name in names:
+            status = run.calls.get(name)
+            if status is None or status.state != "waiting" or not run.inputs_ready(name):
+                continue
+            call = run.program.calls[name]
+            plan = plan_call(call, run.values, self.tokens)
+            prefixes = tuple(
+                call_prefixes(self.model, call.segments, run.values, self.tokens, run.salt)
+            )
+            static = None
+            if prefixes and prefixes[0].n_segments == 1 and isinstance(call.segments[0], Text):
+                static = prefixes[0].key
+            status.state = "ready"
+            ready = _Ready(f"{run.run_id}/{name}", run, name, plan, prefixes, static, self.clock())
+            self._pending[ready.call_id] = ready
+            queued = True
+        if queued:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ dispatch
+    async def _dispatch_loop(self) -> None:
+        while True:
+            if self._pending:
+                # pending calls age: look again in a while even if nothing changes
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.policy.aging_s / 2):
+                        await self._wake.wait()
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            if self._pending:
+                await self._round()
+
+    async def _round(self) -> None:
+        ready = list(self._pending.values())
+        snapshots = [await self._snapshot(eid) for eid in self.engines]
+        statics = {r.static_key for r in ready if r.static_key is not None}
+        shared = shareable(
+            (r.prefixes for r in ready),
+            self.sharing.table,
+            self.config.static_prefix_min_tokens,
+            lambda p: p.key in statics,
+        )
+        biggest = max(self._capacity.values())
+        pending: list[PendingCall] = []
+        for r, prefixes in zip(ready, shared, strict=True):
+            r.shared = prefixes
+            objective, group = r.run.objective(r.name)
+            gid = None if group is None else f"{r.run.run_id}/{group}"
+            n = min(r.plan.n_tokens, biggest)  # never more than an empty engine offers
+            pending.append(PendingCall(r.call_id, objective, n, r.enqueued_at, prefixes, gid))
+        for a in schedule(pending, snapshots, self.clock(), self.config.policy):
+            r = self._pending.pop(a.call_id, None)
+            if r is not None and r.run.state == "running":
+                self._start(r, a.engine_id)
+
+    async def _snapshot(self, engine_id: str) -> EngineSnapshot:
+        stats = await self.engines[engine_id].stats()
+        self._capacity[engine_id] = stats.blocks_total * stats.block_size
+        load = self._load[engine_id]
+        table = self.sharing.table
+        return EngineSnapshot(
+            engine_id,
+            running_latency=load.latency,
+            batch_size=load.batch,
+            running_tokens=load.tokens,
+            free_kv_tokens=stats.free_tokens + table.evictable_tokens(engine_id),
+            prefixes=table.held(engine_id),
+        )
+
+    def _start(self, r: _Ready, engine_id: str) -> None:
+        now = self.clock()
+        self.dispatch_delays.append(now - r.enqueued_at)
+        self.calls_dispatched += 1
+        objective, group = r.run.objective(r.name)
+        status = r.run.calls[r.name]
+        status.state, status.engine = "running", engine_id
+        load = self._load[engine_id]
+        counted_latency = objective == "latency" and group is None
+        load.batch += 1
+        load.tokens += r.plan.n_tokens
+        load.latency += counted_latency
+        task = asyncio.create_task(self._run_call(r, engine_id, objective, group))
+        r.run.tasks[r.name] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            load.batch -= 1
+            load.tokens -= r.plan.n_tokens
+            load.latency -= counted_latency
+            r.run.tasks.pop(r.name, None)
+            if self._pending:
+                self._wake.set()
+
+        task.add_done_callback(done)
+
+    async def _run_call(
+        self, r: _Ready, engine_id: str, objective: Criterion, group: int | None
+    ) -> None:
+        run, name = r.run, r.name
+        priority = PRIORITY[objective]
+        runner = CallRunner(
+            self.engines[engine_id],
+            run.salt,
+            self._engine_kwargs(engine_id, priority),
+            self.tokens,
+        )
+        keys: list[str] = []
+        error: str | None = None
+        try:
+            await self._emit(
+                run,
+                "call_started",
+                {
+                    "call": name,
+                    "engine": engine_id,
+                    "objective": objective,
+                    "group": group,
+                },
+            )
+            await self.sharing.make_room(engine_id, r.plan.n_tokens)
+            attached = await self.sharing.attach(
+                engine_id, r.shared, r.plan.prompt, run.salt, priority
+            )
+            keys = attached.keys
+
+            async def on_token(step: Step, delta: TokenDelta) -> None:
+                await self._emit(
+                    run,
+                    "token",
+                    {
+                        "call": name,
+                        "variable": step.output,
+                        "text": delta.text,
+                        "token_id": delta.token_id,
+                    },
+                )
+
+            async def on_value(step: Step, value: str) -> None:
+                await self._set_value(run, step.output, value, source="call", call=name)
+
+            known = {o: run.values[o] for o in run.program.calls[name].outputs if o in run.values}
+            await runner.run(
+                r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value
+            )
+        except asyncio.CancelledError:
+            await self._cleanup(runner, engine_id, keys)
+            raise
+        except Exception as exc:  # an engine error fails this call only
+            error = f"{type(exc).__name__}: {exc}"
+        await self._cleanup(runner, engine_id, keys)
+        if error is not None:
+            await self._fail_calls(run, {name: error})
+            return
+        await self._emit(run, "call_finished", {"call": name})
+        run.calls[name].state = "finished"
+        await self._maybe_finish(run)
+
+    async def _cleanup(self, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
+        await runner.free()
+        await self.sharing.release(engine_id, keys)
+
+    # ------------------------------------------------------------------ helpers
+    def _engine_kwargs(self, engine_id: str, priority: int) -> dict[str, Any]:
+        return {"priority": priority} if self._priority_kw[engine_id] else {}
+
+    def _run(self, run_id: str) -> Run:
+        try:
+            return self.runs[run_id]
+        except KeyError:
+            raise RunNotFound(f"no run {run_id!r}") from None
+
+    def _open_run(self, run_id: str) -> Run:
+        run = self._run(run_id)
+        if not run.open or run.state != "running":
+            raise RunClosedError(
+                f"run {run_id} is {'closed' if run.state == 'running' else run.state}"
+            )
+        return run
+
+
+def _takes_priority(engine: EngineClient) -> bool:
+    """Whether the engine's fill/generate accept `priority=` (the in-process engine does;
+    the EngineClient protocol does not require it)."""
+    params = inspect.signature(engine.fill).parameters
+    return "priority" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

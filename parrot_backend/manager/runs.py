@@ -1,0 +1,153 @@
+"""The state of one run: variable values, call states, waits, and the errors clients see."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from parrot_backend.program import Criterion, Program
+
+from .events import EventLog
+from .objectives import Deduction
+
+CallState = Literal["waiting", "ready", "running", "finished", "failed", "cancelled"]
+RunPhase = Literal["running", "finished", "failed", "cancelled"]
+TERMINAL_CALL_STATES = frozenset({"finished", "failed", "cancelled"})
+
+
+class RunNotFound(KeyError):
+    """No run with this id (never created, or forgotten)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "run not found"
+
+
+class RunClosedError(ValueError):
+    """The run is closed (or over): it accepts no more calls or inputs."""
+
+
+class VariableFailed(RuntimeError):
+    """The variable will never get a value: its call, or one upstream, failed."""
+
+    def __init__(self, run_id: str, name: str, reason: str) -> None:
+        super().__init__(f"run {run_id}: variable {name!r} failed: {reason}")
+        self.run_id = run_id
+        self.name = name
+        self.reason = reason
+
+
+class RunCancelled(RuntimeError):
+    """The run was cancelled before the variable got a value."""
+
+
+@dataclass(slots=True)
+class CallStatus:
+    """One call as `run_status` reports it."""
+
+    state: CallState
+    engine: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RunStatus:
+    """A snapshot of a run for clients and the server."""
+
+    run_id: str
+    state: RunPhase
+    open: bool
+    tenant: str | None
+    calls: dict[str, CallStatus]
+    values: dict[str, str]
+    failed: dict[str, str]
+    pending: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "run_id": self.run_id,
+            "state": self.state,
+            "open": self.open,
+            "tenant": self.tenant,
+            "calls": {
+                n: {"state": c.state, "engine": c.engine, "error": c.error}
+                for n, c in self.calls.items()
+            },
+            "values": dict(self.values),
+            "failed": dict(self.failed),
+            "pending": list(self.pending),
+        }
+
+
+@dataclass(slots=True)
+class Run:
+    """Mutable state of one run, owned by the manager's event loop."""
+
+    run_id: str
+    program: Program
+    tenant: str | None
+    salt: str | None  # prefix-key salt; None only for public programs
+    open: bool
+    outputs: dict[str, Criterion]
+    log: EventLog
+    values: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # variable -> reason
+    calls: dict[str, CallStatus] = field(default_factory=dict)
+    waits: dict[str, Criterion] = field(default_factory=dict)  # from get(perf=...)
+    futures: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # running calls
+    deduction: Deduction | None = None
+    state: RunPhase = "running"
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # orders listener calls
+
+    def criteria(self) -> dict[str, Criterion]:
+        """Every wait that objective deduction should see: declared outputs and `get`s
+        (latency wins), restricted to variables the program has so far."""
+        out: dict[str, Criterion] = {}
+        for source in (self.outputs, self.waits):
+            for name, crit in source.items():
+                if name in self.program.variables and out.get(name) != "latency":
+                    out[name] = crit
+        return out
+
+    def objective(self, call: str) -> tuple[Criterion, int | None]:
+        """The deduced objective and task group of `call`."""
+        if self.deduction is None or call not in self.deduction.calls:
+            return "throughput", None
+        found = self.deduction.calls[call]
+        return found.objective, found.group
+
+    def inputs_ready(self, call: str) -> bool:
+        """Whether every variable `call` reads has a value."""
+        return all(v in self.values for v in self.program.calls[call].inputs)
+
+    def resolve(self, name: str) -> None:
+        """Wake `get()` waiters of `name` (its value or failure is already recorded)."""
+        fut = self.futures.pop(name, None)
+        if fut is None or fut.done():
+            return
+        if name in self.values:
+            fut.set_result(self.values[name])
+        else:
+            fut.set_exception(VariableFailed(self.run_id, name, self.failed[name]))
+
+    def all_calls_done(self) -> bool:
+        """Whether no call can still change a variable."""
+        return all(c.state in TERMINAL_CALL_STATES for c in self.calls.values())
+
+    def status(self) -> RunStatus:
+        """A snapshot (copies, safe to hand out)."""
+        pending = [
+            n for n in self.program.variables if n not in self.values and n not in self.failed
+        ]
+        return RunStatus(
+            self.run_id,
+            self.state,
+            self.open,
+            self.tenant,
+            {n: CallStatus(c.state, c.engine, c.error) for n, c in self.calls.items()},
+            dict(self.values),
+            dict(self.failed),
+            pending,
+        )

@@ -1,0 +1,183 @@
+"""Shared prefixes on engines: choose which to materialize, fill each once, fork calls from it.
+
+Which prefixes are worth a context of their own (`shareable`):
+
+- a prefix that two or more calls waiting for an engine have (equal keys: same model,
+  salt and tokens), e.g. a dynamic prefix holding an agent's output that many agents read;
+- a prefix already filled on some engine (a hot prefix that outlived its run);
+- a static prefix (the constant text before a call's first variable) of at least
+  `static_min_tokens` tokens, even when only one call has it now: system prompts recur
+  across runs, and the next run finds it filled.
+
+A call forks from the longest shareable prefix the engine holds or can fill. Prefixes are
+chained: filling a dynamic prefix forks it from the static one when that is filled on the
+same engine, so only the new tokens are computed. The `PrefixTable` keeps refcounts; idle
+prefixes stay filled until an engine runs short of KV, then go least recently used first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from parrot_backend.engine.errors import ContextNotFound
+from parrot_backend.engine.interface import EngineClient
+
+from .prefix import Prefix, PrefixEntry, PrefixTable
+
+
+def prefix_context_id(key: str) -> str:
+    """The engine context id that holds prefix `key`."""
+    return f"pfx:{key}"
+
+
+@dataclass(slots=True)
+class Attached:
+    """Where a call forks: `context_id` (None: from scratch) holding `n_tokens` of its prompt.
+
+    `keys` are the prefixes the call holds a reference to; release them when it is done.
+    """
+
+    context_id: str | None
+    n_tokens: int
+    keys: list[str] = field(default_factory=list)
+
+
+def shareable(
+    candidates: Iterable[Sequence[Prefix]],
+    table: PrefixTable,
+    static_min_tokens: int,
+    is_static: Callable[[Prefix], bool],
+) -> list[tuple[Prefix, ...]]:
+    """For each call's prefixes (shortest first), those worth sharing (see module doc)."""
+    calls = [tuple(c) for c in candidates]
+    counts = Counter(p.key for c in calls for p in c)
+    return [
+        tuple(
+            p
+            for p in c
+            if counts[p.key] >= 2
+            or p.key in table
+            or (is_static(p) and p.n_tokens >= static_min_tokens)
+        )
+        for c in calls
+    ]
+
+
+class SharedPrefixes:
+    """Fills, forks from, refcounts and evicts prefix contexts across engines."""
+
+    def __init__(
+        self,
+        engines: Mapping[str, EngineClient],
+        clock: Callable[[], float],
+        engine_kwargs: Callable[[str, int], dict[str, Any]],
+    ) -> None:
+        self.table = PrefixTable()
+        self.engines = engines
+        self.clock = clock
+        self.engine_kwargs = engine_kwargs  # (engine id, priority) -> extra kwargs
+        self.fills: Counter[str] = Counter()  # engine id -> prefix contexts filled
+        self.forks: Counter[str] = Counter()  # engine id -> calls forked from a prefix
+        self._ready: dict[str, asyncio.Future[None]] = {}  # key -> its fill finished
+        self._broken: set[str] = set()  # keys whose fill failed; dropped when released
+
+    async def attach(
+        self,
+        engine_id: str,
+        prefixes: Sequence[Prefix],
+        prompt: Sequence[int],
+        salt: str | None,
+        priority: int,
+    ) -> Attached:
+        """Make the call's shareable `prefixes` (shortest first) available on `engine_id`
+        and return the longest one to fork from. Raises when a prefix fill fails (the call
+        then fails; its references are already released)."""
+        out = Attached(None, 0)
+        try:
+            for prefix in prefixes:
+                entry = self.table.get(prefix.key)
+                if prefix.key in self._broken or (entry and entry.engine_id != engine_id):
+                    continue  # lives elsewhere (or failed): fill the tokens in the call
+                if entry is None:
+                    parent = out.keys[-1] if out.keys else None
+                    self.table.insert(
+                        prefix.key,
+                        engine_id,
+                        prefix_context_id(prefix.key),
+                        prefix.n_tokens,
+                        self.clock(),
+                        parent=parent,
+                    )
+                    self._ready[prefix.key] = asyncio.get_running_loop().create_future()
+                    self.table.acquire(prefix.key, self.clock())
+                    out.keys.append(prefix.key)
+                    await self._fill(engine_id, prefix, out, prompt, salt, priority)
+                else:
+                    self.table.acquire(prefix.key, self.clock())
+                    out.keys.append(prefix.key)
+                    await asyncio.shield(self._ready[prefix.key])
+                out.context_id, out.n_tokens = prefix_context_id(prefix.key), prefix.n_tokens
+        except BaseException:
+            await self.release(engine_id, out.keys)
+            raise
+        if out.context_id is not None:
+            self.forks[engine_id] += 1
+        return out
+
+    async def _fill(
+        self,
+        engine_id: str,
+        prefix: Prefix,
+        above: Attached,
+        prompt: Sequence[int],
+        salt: str | None,
+        priority: int,
+    ) -> None:
+        ready = self._ready[prefix.key]
+        try:
+            await self.engines[engine_id].fill(
+                prefix_context_id(prefix.key),
+                above.context_id,
+                list(prompt[above.n_tokens : prefix.n_tokens]),
+                salt=salt,
+                **self.engine_kwargs(engine_id, priority),
+            )
+        except BaseException as exc:
+            self._broken.add(prefix.key)
+            if not ready.done():
+                ready.set_exception(exc)
+                ready.exception()  # waiters re-raise it; no "never retrieved" warning
+            raise
+        self.fills[engine_id] += 1
+        ready.set_result(None)
+
+    async def release(self, engine_id: str, keys: Sequence[str]) -> None:
+        """The call that attached `keys` is done (its own contexts already freed)."""
+        now = self.clock()
+        for key in reversed(keys):
+            self.table.release(key, now)
+            entry = self.table.get(key)
+            if key in self._broken and entry is not None and entry.refcount == 0:
+                # a failed prefix must not be found again: drop it now, first in LRU order
+                entry.last_used = float("-inf")
+                await self._free(engine_id, self.table.evict(engine_id, 1))
+
+    async def make_room(self, engine_id: str, n_tokens: int) -> None:
+        """Evict idle prefixes (LRU) on `engine_id` until it has `n_tokens` free, if it can."""
+        stats = await self.engines[engine_id].stats()
+        short = n_tokens - stats.free_tokens
+        if short > 0:
+            await self._free(engine_id, self.table.evict(engine_id, short))
+
+    async def _free(self, engine_id: str, dropped: list[PrefixEntry]) -> None:
+        for entry in dropped:  # children come before their parents
+            self._ready.pop(entry.key, None)
+            self._broken.discard(entry.key)
+            try:
+                await self.engines[engine_id].free(entry.context_id)
+            except ContextNotFound:
+                pass  # its fill failed before the engine created it

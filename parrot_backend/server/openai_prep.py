@@ -107,7 +107,13 @@ def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int) -
     return params
 
 
-async def tokenize(state: ServerState, text: str) -> list[int]:
+async def tokenize(state: ServerState, text: str, param: str = "prompt") -> list[int]:
+    # JSON may carry lone surrogates ("\ud800") that no tokenizer can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} contains invalid Unicode (a lone surrogate)",
+                       param=param) from None
     # Off the event loop: long prompts take milliseconds that other streams would feel.
     return list(await anyio.to_thread.run_sync(state.engine.tokenize, text))
 
@@ -185,4 +191,4 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
         text = await anyio.to_thread.run_sync(render)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
-    return await tokenize(state, text)
+    return await tokenize(state, text, "messages")

@@ -129,6 +129,11 @@ CASES = [
     ("request-chat-template-disabled", CH, ch(chat_template="{{ 1 }}"), 400, "disabled"),
     ("user-too-long", C, c(user="u" * 10_000), 400, "user"),
     ("deeply-nested-json", C, raw("[" * 100_000 + "]" * 100_000), 400, ""),
+    ("invalid-utf8-body", C, b'{"model": "fake-model", "prompt": "\xff\xfe"}', 400, ""),
+    ("lone-surrogate-prompt", C, raw('{"model": "fake-model", "prompt": "a\\ud800b"}'), 400,
+     "unicode"),
+    ("lone-surrogate-chat", CH, raw('{"model": "fake-model", "messages": [{"role": "user", '
+                                    '"content": "\\udfff"}]}'), 400, "unicode"),
 ]
 
 

@@ -13,6 +13,7 @@ sequence i is at position `seq_lens[i] - q_len_i + j` and attends causally up to
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,11 @@ class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and computes attention for a flat batch."""
 
     name: str = "abstract"
+
+    def share_prefix(self, prefix_len: int, group_size: int) -> bool:
+        """Whether decode rows sharing this many prefix tokens should be grouped; backends
+        without a shared-prefix kernel never group."""
+        return False
 
     @abstractmethod
     def store_kv(
@@ -160,6 +166,36 @@ class TorchAttention(AttentionBackend):
         plan = (rows, slots, mask)
         meta.cache[key] = plan
         return plan
+
+
+def find_prefix_groups(
+    meta: AttentionMetadata, gate: Callable[[int, int], bool]
+) -> list[PrefixGroup]:
+    """Group decode rows whose block tables start with the same physical blocks.
+
+    Forked contexts share their ancestor's full blocks by reference (a shared partial block
+    is copied on the child's first write), so equal leading block ids mean an equal,
+    block-aligned prefix. Groups form at one level: the longest common run of blocks of all
+    rows that share a first block. `gate(prefix_len, group_size)` decides if a group pays.
+    """
+    bs = meta.block_size
+    buckets: dict[int, list[int]] = {}
+    for i in range(meta.num_seqs):
+        if meta.query_len(i) == 1 and meta.seq_lens[i] > bs:
+            buckets.setdefault(int(meta.block_tables[i, 0]), []).append(i)
+    groups = []
+    for members in buckets.values():
+        if len(members) < 2:
+            continue
+        tables = meta.block_tables[members]
+        # the last block of each row is being written this step: never part of the prefix
+        full = min(meta.seq_lens[i] - 1 for i in members) // bs
+        common = 0
+        while common < full and bool((tables[:, common] == tables[0, common]).all()):
+            common += 1
+        if common and gate(common * bs, len(members)):
+            groups.append(PrefixGroup(members, common * bs, tables[0, :common].tolist()))
+    return groups
 
 
 def make_backend(name: str) -> AttentionBackend:

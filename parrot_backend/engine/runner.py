@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, find_prefix_groups
 from .scheduler import Work
 
 
@@ -80,6 +80,8 @@ class ModelRunner:
             block_tables=tables.to(dev),
             block_size=bs,
         )
+        if any(w.n == 1 for w in work):
+            meta.prefix_groups = find_prefix_groups(meta, self.backend.share_prefix)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -1,0 +1,58 @@
+"""Decode rows forked from one context are grouped by their shared prefix blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from parrot_backend.engine.attention import TorchAttention
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.sampling import SamplingParams
+
+from .helpers import complete
+
+
+class RecordingTorch(TorchAttention):
+    """The torch backend with a gate that always groups; records the groups it sees."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[tuple[int, ...], int]] = []
+
+    def share_prefix(self, prefix_len, group_size):
+        return True
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        if "seen" not in meta.cache:
+            meta.cache["seen"] = True
+            self.seen += [(tuple(g.seq_indices), g.prefix_len) for g in meta.prefix_groups]
+        return super().forward(q, k_cache, v_cache, meta, scale)
+
+
+def test_forked_decodes_form_one_group_with_the_parents_full_blocks(tiny_model_dir):
+    engine = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False
+    )
+    engine.runner.backend = backend = RecordingTorch()
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 49152, (40,), generator=g).tolist()
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def go():
+        async with engine:
+            await engine.fill("p", None, prefix)
+            await engine.fill("solo", None, torch.randint(3, 49152, (20,), generator=g).tolist())
+            return await asyncio.gather(
+                *(complete(engine, f"c{i}", [7 + i, 8], sampling, parent="p") for i in range(3)),
+                complete(engine, "solo2", [5], sampling, parent="solo"),
+            )
+
+    asyncio.run(go())
+    grouped = [(rows, plen) for rows, plen in backend.seen if len(rows) == 3]
+    assert grouped, backend.seen
+    assert all(plen == 32 for _, plen in grouped)  # the parent's two full blocks
+    assert all(len(rows) != 1 for rows, _ in backend.seen)  # a lone fork is never a group
+
+
+def test_the_torch_backend_never_groups(tiny_model_dir):
+    assert TorchAttention().share_prefix(10_000, 256) is False

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from ..engine.interface import EngineClient
 from . import openai_api, ops
-from .auth import Authenticator, AuthMiddleware
+from .auth import OPEN_PATHS, Authenticator, AuthMiddleware
 from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware, InflightLimiter
 from .metrics import ServerMetrics
@@ -67,6 +67,29 @@ def create_app(engine: EngineClient, *, settings: ServerSettings | None = None) 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        on_reject=metrics.reject)
     app.add_middleware(AuthMiddleware, authenticator=authenticator, on_reject=metrics.reject)
-    if not settings.auth_enabled:
+    if settings.auth_enabled:
+        _document_bearer_auth(app)
+    else:
         log.warning("API authentication is off (loopback only: %s)", settings.host)
     return app
+
+
+def _document_bearer_auth(app: FastAPI) -> None:
+    """Declare the middleware's Bearer auth in the OpenAPI schema, so /docs can send keys
+    and generated clients know which operations need one."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearerAuth"] = {
+            "type": "http", "scheme": "bearer"}
+        for path, operations in schema.get("paths", {}).items():
+            if path not in OPEN_PATHS:
+                for operation in operations.values():
+                    operation["security"] = [{"bearerAuth": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -105,3 +105,10 @@ async def test_auth_forced_on_without_keys_rejects_everyone():
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         assert (await c.get("/v1/models", headers={"Authorization": "Bearer x"})
                 ).status_code == 401
+
+
+def test_openapi_declares_bearer_auth(app):
+    schema = app.openapi()
+    assert schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
+    assert schema["paths"]["/v1/completions"]["post"]["security"] == [{"bearerAuth": []}]
+    assert "security" not in schema["paths"]["/healthz"]["get"]

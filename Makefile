@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/parrot-backend generate "Write a haiku about parrots."
+	$(VENV)/bin/parrot-backend serve $(SERVE_ARGS)
 
-generate: serve
+generate: $(STAMP)
+	$(VENV)/bin/parrot-backend generate "Write a haiku about parrots."
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

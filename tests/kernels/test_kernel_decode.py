@@ -70,3 +70,19 @@ def test_every_split_writes_its_partial_even_when_empty(device):
     assert not parts.isnan().any() and not lse.isnan().any()
     assert torch.all(lse[1:, 0] == float("-inf")) and torch.all(parts[1:, 0] == 0)
     assert torch.isfinite(lse[:, 1]).all()
+
+
+@pytest.mark.parametrize("splits", [None, 2], ids=["one-split", "two-splits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_paged_decode_longer_contexts_loop_over_many_kv_steps(dtype, splits, device):
+    """Contexts of several KV steps (32 or 64 keys each) with unaligned ends."""
+    lens = [100, 130, 64]
+    gen = torch.Generator().manual_seed(21)
+    kc, vc = random_cache(24, HKV, 64, dtype, device, gen)
+    tables = random_tables(lens, 24, gen, device)
+    q = randn(3, HKV * 4, 64, dtype=dtype, device=device, gen=gen)
+    got, got_lse = paged_decode_triton(q, kc, vc, tables, lens, 0.125, num_splits=splits,
+                                       out=poisoned(*q.shape, dtype=dtype, device=device))
+    want, want_lse = paged_decode_ref(q, kc, vc, tables, lens, 0.125)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, replace
@@ -134,6 +135,9 @@ class Engine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        # fault injection for supervisor tests: the loop dies at this step
+        fail_at = os.environ.get("PARROT_FAULT_ENGINE_STEP")
+        self._fail_at_step = int(fail_at) if fail_at else None
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -455,6 +459,8 @@ class Engine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                if self._fail_at_step is not None and self.steps >= self._fail_at_step:
+                    raise RuntimeError(f"injected fault at step {self.steps}")
                 sampled = await asyncio.to_thread(self.runner.execute, work)
                 self._postprocess(work, sampled)
         except Exception as exc:  # a bug or a device failure: fail everything, loudly

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 
@@ -25,58 +26,81 @@ HKV = 2
 B = BLOCK_SIZE
 
 
-def _mixed_batch(group: int, d: int, dtype: torch.dtype, device: torch.device):
-    """Prefill, extend, plain decode and three prefix groups (sizes 3, 1, 1) in one step.
+# a step: ("fresh", seq_len, new tokens) or ("group", prefix_len, [suffix lengths])
+MIXED = [
+    ("fresh", 20, 20),  # prefill of a fresh context
+    ("fresh", B + 1, 1),  # plain decode across a block boundary
+    ("group", 20, [1, B, B + 1]),  # prefix ends mid-block: members hold COW copies
+    ("group", 1, [B]),
+    ("group", 0, [3]),
+    ("fresh", B + 5, 5),  # a forked child's prefill: 5 new tokens after B cached
+]
 
-    Returns q, k/v caches holding the cached context, the new tokens' k/v and the metadata.
+
+def _batch(spec, group: int, d: int, dtype: torch.dtype, device: torch.device, seed: int,
+           shuffle: bool = False):
+    """Build one step from `spec` on a random paged cache, with real AttentionMetadata.
+
+    Group members decode one token each. With `shuffle`, sequences are permuted so that a
+    group's rows are scattered through the batch. Returns q, k/v caches holding the cached
+    context, the new tokens' k/v and the metadata.
     """
-    gen = torch.Generator().manual_seed(group * 100 + d)
-    kc, vc = random_cache(64, HKV, d, dtype, device, gen)
-    tables: list[list[int]] = []
-    seq_lens: list[int] = []
-    q_lens: list[int] = []
+    gen = torch.Generator().manual_seed(seed)
+    kc, vc = random_cache(96, HKV, d, dtype, device, gen)
+    seqs: list[tuple[list[int], int, int]] = []  # (blocks, seq_len, new tokens)
+    members_of: list[tuple[list[int], int, list[int]]] = []
     nxt = 1  # block 0 stays the padding entry of the block tables
+    for kind, a, b in spec:
+        if kind == "fresh":
+            n = math.ceil(a / B)
+            seqs.append((list(range(nxt, nxt + n)), a, b))
+            nxt += n
+            continue
+        blocks, rows, nxt = forked_group(kc, vc, a, b, nxt, gen)
+        members = []
+        for j, suffix in enumerate(b):
+            members.append(len(seqs))
+            seqs.append((rows[j, : math.ceil((a + suffix) / B)].tolist(), a + suffix, 1))
+        members_of.append((members, a, blocks))
+    order = torch.randperm(len(seqs), generator=gen).tolist() if shuffle else list(
+        range(len(seqs)))
+    where = {old: new for new, old in enumerate(order)}
+    seqs = [seqs[i] for i in order]
+    groups = [PrefixGroup([where[m] for m in ms], p, blk) for ms, p, blk in members_of]
 
-    def fresh(n_tokens: int) -> list[int]:
-        nonlocal nxt
-        n = math.ceil(n_tokens / B)
-        nxt += n
-        return list(range(nxt - n, nxt))
-
-    def add(table: list[int], seq_len: int, q_len: int) -> int:
-        tables.append(table)
-        seq_lens.append(seq_len)
-        q_lens.append(q_len)
-        return len(tables) - 1
-
-    add(fresh(20), 20, 20)  # prefill of a fresh context
-    add(fresh(B + 1), B + 1, 1)  # plain decode across a block boundary
-    groups = []
-    for prefix_len, suffixes in ((20, [1, B, B + 1]), (1, [B]), (0, [3])):
-        blocks, rows, nxt = forked_group(kc, vc, prefix_len, suffixes, nxt, gen)
-        members = [add(rows[j, : math.ceil((prefix_len + s) / B)].tolist(), prefix_len + s, 1)
-                   for j, s in enumerate(suffixes)]
-        groups.append(PrefixGroup(members, prefix_len, blocks))
-    add(fresh(B + 5), B + 5, 5)  # a forked child's prefill: 5 new tokens after B cached
-
-    width = max(len(t) for t in tables)
-    block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t)
-    query_start = [0]
-    slots = []
-    for i, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
+    width = max(len(t) for t, _, _ in seqs)
+    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    query_start, slots = [0], []
+    for i, (table, n, ql) in enumerate(seqs):
+        block_tables[i, : len(table)] = torch.tensor(table)
         query_start.append(query_start[-1] + ql)
-        slots += [tables[i][p // B] * B + p % B for p in range(n - ql, n)]
+        slots += [table[p // B] * B + p % B for p in range(n - ql, n)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start=query_start, seq_lens=seq_lens, block_tables=block_tables.to(device),
-        block_size=B, prefix_groups=groups)
+        query_start=query_start, seq_lens=[n for _, n, _ in seqs],
+        block_tables=block_tables.to(device), block_size=B, prefix_groups=groups)
     t = query_start[-1]
     q = randn(t, HKV * group, d, dtype=dtype, device=device, gen=gen)
     k_new = randn(t, HKV, d, dtype=dtype, device=device, gen=gen)
     v_new = randn(t, HKV, d, dtype=dtype, device=device, gen=gen)
     return q, kc, vc, k_new, v_new, meta
+
+
+def _mixed_batch(group: int, d: int, dtype: torch.dtype, device: torch.device):
+    return _batch(MIXED, group, d, dtype, device, seed=group * 100 + d)
+
+
+def _random_spec(seed: int):
+    """A random step: a few fresh sequences (prefill, extend or decode) and groups."""
+    rng = random.Random(seed)
+    spec = []
+    for _ in range(rng.randint(0, 3)):
+        n = rng.randint(1, 3 * B)
+        spec.append(("fresh", n, rng.choice([1, 1, rng.randint(1, n)])))
+    for _ in range(rng.randint(1, 2)):
+        spec.append(("group", rng.choice([0, 1, B - 1, B, rng.randint(2, 3 * B)]),
+                     [rng.randint(1, 2 * B) for _ in range(rng.randint(1, 4))]))
+    return spec
 
 
 @pytest.mark.parametrize("group,d,dtype", [(3, 64, torch.float32), (4, 128, torch.float16),
@@ -98,6 +122,21 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(group, d, dtype, 
     # a second layer reuses the step's plan
     assert sum(1 for k in meta.cache if k[0] == "triton") == 1
     torch.testing.assert_close(tri.forward(q, kc, vc, meta, scale), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_triton_backend_matches_torch_backend_on_random_shuffled_batches(seed, device):
+    group, d, dtype = [(1, 64, torch.float32), (3, 64, torch.float16),
+                       (4, 128, torch.float32)][seed % 3]
+    q, kc, vc, k_new, v_new, meta = _batch(_random_spec(seed), group, d, dtype, device,
+                                           seed=seed, shuffle=True)
+    ref, tri = TorchAttention(), TritonAttention()
+    tri.alloc_out = lambda x: torch.full_like(x, float("nan"))
+    ref.store_kv(k_new, v_new, kc, vc, meta.slot_mapping)
+    want = ref.forward(q, kc, vc, meta, d**-0.5)
+    got = tri.forward(q, kc, vc, meta, d**-0.5)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-3, "rtol": 5e-3}
+    torch.testing.assert_close(got, want, **tol)
 
 
 def test_prefix_group_with_a_prefill_row_is_rejected(device):

@@ -139,6 +139,22 @@ def test_triton_backend_matches_torch_backend_on_random_shuffled_batches(seed, d
     torch.testing.assert_close(got, want, **tol)
 
 
+def test_triton_backend_reads_q_k_v_sliced_from_one_fused_projection(device):
+    """Models split q, k, v out of one qkv matmul: row strides larger than the rows."""
+    q, kc, vc, k_new, v_new, meta = _mixed_batch(3, 64, torch.float32, device)
+    hq = q.shape[1]
+    qkv = torch.cat([q, k_new, v_new], dim=1)  # [T, Hq + 2 Hkv, D]
+    q_s, k_s, v_s = qkv[:, :hq], qkv[:, hq : hq + HKV], qkv[:, hq + HKV :]
+    assert not q_s.is_contiguous() and not k_s.is_contiguous()
+    ref, tri = TorchAttention(), TritonAttention()
+    kc_t, vc_t = kc.clone(), vc.clone()
+    ref.store_kv(k_new, v_new, kc, vc, meta.slot_mapping)
+    tri.store_kv(k_s, v_s, kc_t, vc_t, meta.slot_mapping)
+    assert torch.equal(kc_t, kc) and torch.equal(vc_t, vc)
+    torch.testing.assert_close(tri.forward(q_s, kc, vc, meta, 0.125),
+                               ref.forward(q, kc, vc, meta, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_prefix_group_with_a_prefill_row_is_rejected(device):
     q, kc, vc, _, _, meta = _mixed_batch(1, 64, torch.float32, device)
     meta.prefix_groups.append(PrefixGroup([0], 4, [1]))  # sequence 0 is a prefill

@@ -12,6 +12,7 @@ Modules:
 - `merge`: log-sum-exp merge of partial attention states (split-KV, cascade).
 - `shared_prefix`: decode for a group forked from one ancestor, reading its prefix once.
 - `backend`: `TritonAttention`, the engine's attention backend, and the sharing gate.
+- `aot_check`: compile every kernel variant for a GPU target offline (no GPU needed).
 """
 
 from __future__ import annotations

@@ -1,0 +1,217 @@
+"""Manager end to end on the real engine (greedy): outputs equal running each call alone.
+
+The reference path runs every call by itself, in dependency order, on a fresh engine with
+no sharing: fill the rendered prompt (segment-wise tokens) into a new context, generate,
+fill what follows, generate the next output. After an output that stopped on a stop string
+with more to generate, it starts a fresh context holding the tokens before the output plus
+the value's tokens: the same rule the manager follows (see manager/execute.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from parrot_backend.engine.engine import Engine
+from parrot_backend.manager.executor import Manager
+from parrot_backend.program import InputRef, OutputRef, RunSpec, Text
+
+_ref_ids = itertools.count()
+
+
+def load(model_dir) -> Engine:
+    # no token-level prefix cache: every shared token the engine skips is the manager's doing
+    return Engine.from_pretrained(model_dir, num_blocks=256, progress=False, prefix_cache=False)
+
+
+async def run_alone(engine: Engine, spec: RunSpec) -> dict[str, str]:
+    """Every call of `spec` run by itself, in dependency order; returns all values."""
+    program = spec.build()
+    values = dict(spec.inputs)
+    for name in program.topological_calls():
+        call = program.calls[name]
+        ctx = f"ref:{next(_ref_ids)}"
+        tokens: list[int] = []
+        segments = list(call.segments)
+        while segments and not isinstance(segments[0], OutputRef):
+            seg = segments.pop(0)
+            tokens += engine.tokenize(seg.text if isinstance(seg, Text) else values[seg.name])
+        await engine.fill(ctx, None, tokens)
+        contexts = [ctx]
+        while segments:
+            out = segments.pop(0)
+            config = call.configs[out.name]
+            before = engine.context_tokens(ctx)
+            deltas = [d async for d in engine.generate(ctx, None, config.to_sampling())]
+            values[out.name] = "".join(d.text for d in deltas)
+            more = any(isinstance(s, OutputRef) for s in segments)
+            if more and config.stop and deltas[-1].finish_reason == "stop":
+                ctx = f"ref:{next(_ref_ids)}"
+                await engine.fill(ctx, None, before + engine.tokenize(values[out.name]))
+                contexts.append(ctx)
+            following: list[int] = []
+            while segments and not isinstance(segments[0], OutputRef):
+                seg = segments.pop(0)
+                assert isinstance(seg, (Text, InputRef))
+                following += engine.tokenize(
+                    seg.text if isinstance(seg, Text) else values[seg.name]
+                )
+            if following and more:
+                await engine.fill(ctx, None, following)
+        for c in reversed(contexts):
+            await engine.free(c)
+    return values
+
+
+async def reference(model_dir, *specs: RunSpec) -> tuple[list[dict[str, str]], int]:
+    """Values of each run alone, and the tokens the engine computed for them."""
+    engine = load(model_dir)
+    async with engine:
+        values = [await run_alone(engine, s) for s in specs]
+    return values, engine.stats_now().tokens_computed
+
+
+async def managed(model_dir, *specs: RunSpec) -> tuple[list[dict[str, str]], Manager, Engine]:
+    """Run every spec through one manager at once; the client only waits for final values."""
+    engine = load(model_dir)
+    async with engine, Manager({"e0": engine}) as manager:
+        ids = [await manager.create_run(s) for s in specs]
+        for rid, s in zip(ids, specs, strict=True):
+            for name in s.outputs:
+                await manager.get(rid, name)
+            async for _ in manager.subscribe(rid):
+                pass  # until the run ends: calls nobody waits for finish too
+        values = [manager.run_status(rid).values for rid in ids]
+        assert all(manager.run_status(rid).state == "finished" for rid in ids)
+        assert engine.stats_now().contexts == len(manager.sharing.table)  # calls freed
+    return values, manager, engine
+
+
+def spec(calls: list[tuple[str, str]], inputs: dict[str, str], final: str, **outs) -> RunSpec:
+    return RunSpec.model_validate(
+        {
+            "program": {
+                "calls": [{"name": n, "template": t, "outputs": outs.get(n, {})} for n, t in calls]
+            },
+            "inputs": inputs,
+            "outputs": {final: "latency"},
+        }
+    )
+
+
+GEN = {"max_tokens": 5}
+
+
+def started_after_ready(manager: Manager, var: str, call: str) -> bool:
+    """Whether `call` started only after `var` became ready, in every run that has both."""
+    for run in manager.runs.values():
+        kinds = [(e.type, e.payload.get("name", e.payload.get("call"))) for e in run.log.events]
+        if ("call_started", call) in kinds:
+            if kinds.index(("variable_ready", var)) > kinds.index(("call_started", call)):
+                return False
+    return True
+
+
+async def test_chain_equals_calls_run_alone(tiny_model_dir) -> None:
+    chain = spec(
+        [
+            ("a", "Topic: {{input:topic}}. Idea: {{output:idea}}"),
+            ("b", "Expand the idea {{input:idea}} into: {{output:draft}}"),
+            ("c", "Polish {{input:draft}} now: {{output:final}}"),
+        ],
+        {"topic": "parrots"},
+        "final",
+        a={"idea": GEN},
+        b={"draft": GEN},
+        c={"final": GEN},
+    )
+    want, _ = await reference(tiny_model_dir, chain)
+    got, manager, _ = await managed(tiny_model_dir, chain)
+    assert got == want
+    assert started_after_ready(manager, "idea", "b") and started_after_ready(manager, "draft", "c")
+
+
+async def test_map_reduce_equals_calls_run_alone(tiny_model_dir) -> None:
+    chunks = {f"chunk{i}": f"text of part {i} about birds" for i in range(3)}
+    calls = [
+        (f"map{i}", f"Summarize: {{{{input:chunk{i}}}}} Summary: {{{{output:s{i}}}}}")
+        for i in range(3)
+    ]
+    calls.append(
+        ("reduce", "Summaries: {{input:s0}} | {{input:s1}} | {{input:s2}} All: {{output:total}}")
+    )
+    outs = {f"map{i}": {f"s{i}": GEN} for i in range(3)} | {"reduce": {"total": GEN}}
+    job = spec(calls, chunks, "total", **outs)
+    want, _ = await reference(tiny_model_dir, job)
+    got, manager, _ = await managed(tiny_model_dir, job)
+    assert got == want
+    assert all(started_after_ready(manager, f"s{i}", "reduce") for i in range(3))
+    # one prefix context per static text: "Summarize: " (filled once for the three maps)
+    # and "Summaries: " (the reduce's, kept for later runs); every call forked from one
+    assert manager.sharing.fills["e0"] == 2 and manager.sharing.forks["e0"] == 4
+
+
+async def test_multi_agent_dynamic_prefix_filled_once(tiny_model_dir) -> None:
+    agents = 3
+    calls = [("plan", "You are the planner. Task: {{input:task}} Plan: {{output:plan}}")]
+    calls += [
+        (
+            f"agent{i}",
+            f"Team plan: {{{{input:plan}}}} You are agent {i}. Do: {{{{output:part{i}}}}}",
+        )
+        for i in range(agents)
+    ]
+    parts = " ".join(f"{{{{input:part{i}}}}}" for i in range(agents))
+    calls.append(("merge", f"Parts: {parts} Final: {{{{output:final}}}}"))
+    outs = {"plan": {"plan": {"max_tokens": 8}}, "merge": {"final": GEN}}
+    outs |= {f"agent{i}": {f"part{i}": GEN} for i in range(agents)}
+    program = spec(calls, {"task": "build a nest"}, "final", **outs)
+    want, ref_computed = await reference(tiny_model_dir, program)
+    got, manager, engine = await managed(tiny_model_dir, program)
+    assert got == want
+    # "Team plan: <plan>" is one prefix context (forked from the static "Team plan: ")
+    plan_tokens = len(engine.tokenize("Team plan: ")) + len(engine.tokenize(got[0]["plan"]))
+    table = manager.sharing.table
+    [dynamic] = [table.get(k) for k in table.held("e0") if table.get(k).n_tokens == plan_tokens]
+    assert table.get(dynamic.parent).n_tokens == len(engine.tokenize("Team plan: "))
+    saved = ref_computed - engine.stats_now().tokens_computed
+    assert saved >= (agents - 1) * plan_tokens
+    assert started_after_ready(manager, "plan", "agent0")
+
+
+async def test_two_runs_share_a_system_prompt_filled_once(tiny_model_dir) -> None:
+    system = "You are a concise assistant. Answer every question in one short line. "
+    runs = [
+        spec(
+            [("ask", system + "Question: {{input:q}} Answer: {{output:a}}")],
+            {"q": q},
+            "a",
+            ask={"a": GEN},
+        )
+        for q in ("Why do parrots talk?", "What do parrots eat?")
+    ]
+    want, ref_computed = await reference(tiny_model_dir, *runs)
+    got, manager, engine = await managed(tiny_model_dir, *runs)
+    assert got == want
+    assert manager.sharing.fills["e0"] == 1 and manager.sharing.forks["e0"] == 2
+    saved = ref_computed - engine.stats_now().tokens_computed
+    assert saved >= len(engine.tokenize(system))  # the second run never computed it
+
+
+@pytest.mark.slow
+async def test_smollm2_chain_with_multi_output_and_stop(smollm2_dir) -> None:
+    program = spec(
+        [
+            ("facts", "List two facts about parrots.\n1. {{output:f1}}\n2. {{output:f2}}"),
+            ("short", "Fact: {{input:f1}}\nShorter: {{output:s}}"),
+        ],
+        {},
+        "s",
+        facts={"f1": {"max_tokens": 12, "stop": ["\n"]}, "f2": {"max_tokens": 6}},
+        short={"s": {"max_tokens": 6}},
+    )
+    want, _ = await reference(smollm2_dir, program)
+    got, manager, _ = await managed(smollm2_dir, program)
+    assert got == want
+    assert started_after_ready(manager, "f1", "short")

@@ -21,6 +21,7 @@ one output's config, over the shared one.
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any, overload
@@ -52,7 +53,9 @@ class SemanticFunction:
         outputs: dict[str, dict[str, Any]],
     ) -> None:
         self.fn = fn
-        self.name = fn.__name__
+        # call and variable names derive from it: keep it a legal variable name
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", fn.__name__)
+        self.name = name if re.match(r"[A-Za-z_]", name) else f"_{name}"
         source = template if template is not None else inspect.getdoc(fn)
         if not source:
             raise ProgramError(f"semantic function {self.name!r} has no template (docstring)")

@@ -60,6 +60,9 @@ class TritonAttention(AttentionBackend):
         # how the output is allocated; tests poison it to catch rows no kernel writes
         self.alloc_out = torch.empty_like
 
+    def share_prefix(self, prefix_len: int, group_size: int) -> bool:
+        return should_share_prefix(prefix_len, group_size)
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 

@@ -197,3 +197,9 @@ def test_without_triton_kernels_import_and_the_backend_fails_clearly():
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert "ERR" in res.stdout and "torch' backend" in res.stdout
+
+
+def test_triton_backend_gate_is_should_share_prefix():
+    backend = TritonAttention()
+    assert backend.share_prefix(256, 8) is True
+    assert backend.share_prefix(64, 64) is False

@@ -2,9 +2,9 @@
 
 Runs the tiny random Llama (GQA 4/2) through the real engine: a parent context is filled
 and three children forked from it generate together, so the step mixes prefill chunks that
-read the parent's blocks and decode rows that share its prefix. The engine does not build
-prefix groups yet; a test backend derives them from shared leading blocks so the
-shared-prefix path runs inside the engine too.
+read the parent's blocks and decode rows that share its prefix. The engine groups those
+decode rows by their shared leading blocks; a test backend opens the gate so the
+shared-prefix path runs inside the engine at interpreter-sized shapes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from parrot_backend.engine.attention import AttentionMetadata, PrefixGroup  # noqa: E402
 from parrot_backend.engine.engine import Engine  # noqa: E402
 from parrot_backend.engine.sampling import SamplingParams  # noqa: E402
 from parrot_backend.kernels.backend import TritonAttention  # noqa: E402
@@ -24,38 +23,21 @@ from parrot_backend.kernels.backend import TritonAttention  # noqa: E402
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def groups_from_shared_blocks(meta: AttentionMetadata) -> list[PrefixGroup]:
-    """Group decode rows whose block tables start with the same blocks (ungated)."""
-    bs = meta.block_size
-    buckets: dict[int, list[int]] = {}
-    for i in range(meta.num_seqs):
-        if meta.query_len(i) == 1 and meta.seq_lens[i] > bs:
-            buckets.setdefault(int(meta.block_tables[i, 0]), []).append(i)
-    groups = []
-    for members in buckets.values():
-        if len(members) < 2:
-            continue
-        tables = meta.block_tables[members]
-        full = min(meta.seq_lens[i] - 1 for i in members) // bs
-        common = 0
-        while common < full and bool((tables[:, common] == tables[0, common]).all()):
-            common += 1
-        if common:
-            groups.append(PrefixGroup(members, common * bs, tables[0, :common].tolist()))
-    return groups
-
-
 class GroupingTriton(TritonAttention):
-    """TritonAttention that adds prefix groups to each step, counting the grouped rows."""
+    """TritonAttention whose gate always groups (the real gate wants >= 256-token prefixes
+    and >= 8 sequences, too big for the interpreter); counts the grouped decode rows that
+    the engine's `find_prefix_groups` hands it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.grouped_rows = 0
 
+    def share_prefix(self, prefix_len, group_size):
+        return True
+
     def forward(self, q, k_cache, v_cache, meta, scale):
-        if "test-groups" not in meta.cache:  # once per step, before the plan is built
+        if "test-groups" not in meta.cache:  # once per step
             meta.cache["test-groups"] = True
-            meta.prefix_groups = groups_from_shared_blocks(meta)
             self.grouped_rows += sum(len(g.seq_indices) for g in meta.prefix_groups)
         return super().forward(q, k_cache, v_cache, meta, scale)
 

@@ -64,7 +64,7 @@ class ManagerConfig:
 
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     static_prefix_min_tokens: int = 4  # a static prefix this long gets its own context
-    delay_samples: int = 100_000  # ready -> dispatch delays kept for benchmarks
+    delay_samples: int = 100_000  # ready -> dispatch delays and round times kept (benchmarks)
 
 
 @dataclass(slots=True)
@@ -118,6 +118,7 @@ class Manager:
         self.tokens = TokenCache(next(iter(self.engines.values())).tokenize)
         self.sharing = SharedPrefixes(self.engines, clock, self._engine_kwargs)
         self.dispatch_delays: deque[float] = deque(maxlen=self.config.delay_samples)
+        self.round_durations: deque[float] = deque(maxlen=self.config.delay_samples)
         self.calls_dispatched = 0
         self._priority_kw = {eid: _takes_priority(e) for eid, e in self.engines.items()}
         self._capacity: dict[str, int] = {}
@@ -441,8 +442,9 @@ class Manager:
                 await self._round()
 
     async def _round(self) -> None:
-        ready = list(self._pending.values())
+        began = time.perf_counter()
         snapshots = [await self._snapshot(eid) for eid in self.engines]
+        ready = self._window(snapshots)
         statics = {r.static_key for r in ready if r.static_key is not None}
         shared = shareable(
             (r.prefixes for r in ready),
@@ -462,6 +464,37 @@ class Manager:
             r = self._pending.pop(a.call_id, None)
             if r is not None and r.run.state == "running":
                 self._start(r, a.engine_id)
+        self.round_durations.append(time.perf_counter() - began)
+
+    def _window(self, snapshots: list[EngineSnapshot]) -> list[_Ready]:
+        """The pending calls worth offering to the policy this round.
+
+        At most `max_batch - batch_size` calls fit on each engine, so when more are pending
+        only that many are offered, latency calls first, then the oldest, plus the other
+        pending members of their task groups (gangs stay whole). Without this, a backlog
+        makes every round cost as much as the whole backlog.
+        """
+        cap = self.config.policy.max_batch
+        slots = sum(max(0, cap - s.batch_size) for s in snapshots)
+        pending = list(self._pending.values())
+        if len(pending) <= slots:
+            return pending
+
+        def key(r: _Ready) -> tuple[bool, float]:
+            return (r.run.objective(r.name)[0] != "latency", r.enqueued_at)
+
+        chosen = sorted(pending, key=key)[:slots]
+        groups = {
+            (r.run.run_id, g) for r in chosen if (g := r.run.objective(r.name)[1]) is not None
+        }
+        if groups:
+            picked = {r.call_id for r in chosen}
+            chosen += [
+                r
+                for r in pending
+                if r.call_id not in picked and (r.run.run_id, r.run.objective(r.name)[1]) in groups
+            ]
+        return chosen
 
     async def _snapshot(self, engine_id: str) -> EngineSnapshot:
         stats = await self.engines[engine_id].stats()

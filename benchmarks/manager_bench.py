@@ -1,0 +1,169 @@
+"""Manager limits against a no-op engine: ingest + deduce + schedule throughput, and
+scheduling-decision latency with many concurrent open runs.
+
+    .venv/bin/python benchmarks/manager_bench.py [--runs 2000] [--open-runs 1000]
+
+1. Throughput: create runs of a small map-reduce program (4 maps sharing a system prompt,
+   1 reduce) and wait for all to finish. Every call is parsed, validated, deduced,
+   rendered (segment-wise tokens, prefix keys), scheduled, dispatched and "generated" (the
+   engine returns EOS at once). Reported: calls per second, on one core (one event loop).
+2. Decision latency: open `--open-runs` runs, then add calls to random runs one at a time;
+   each call is ready at once. Reported: percentiles of ready -> dispatched (the time a
+   ready call waits for its scheduling decision), and of dispatcher round durations; then
+   the same for a burst where every open run gets a call at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+
+from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.scripted import ScriptedEngine
+from parrot_backend.program import CallSpec, RunSpec
+
+SYSTEM = "You are a careful analyst. Summarize the text you are given in one sentence. "
+
+
+def map_reduce(i: int) -> RunSpec:
+    calls = [
+        {
+            "name": f"m{k}",
+            "template": SYSTEM + f"Text: {{{{input:c{k}}}}} Summary: {{{{output:s{k}}}}}",
+        }
+        for k in range(4)
+    ]
+    calls.append(
+        {
+            "name": "r",
+            "template": "Combine {{input:s0}} {{input:s1}} {{input:s2}} {{input:s3}}: "
+            "{{output:total}}",
+        }
+    )
+    return RunSpec.model_validate(
+        {
+            "program": {"calls": calls},
+            "inputs": {f"c{k}": f"document {i} part {k}" for k in range(4)},
+            "outputs": {"total": "throughput"},
+        }
+    )
+
+
+def noop_engine() -> ScriptedEngine:
+    return ScriptedEngine(model_name="noop", reply=lambda prompt: "", record=False)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def show(label: str, xs: list[float]) -> None:
+    ms = [x * 1000 for x in xs]
+    print(
+        f"  {label}: n={len(ms)} p50={pct(ms, 0.5):.3f} ms p90={pct(ms, 0.9):.3f} ms "
+        f"p99={pct(ms, 0.99):.3f} ms max={max(ms):.3f} ms mean={statistics.fmean(ms):.3f} ms"
+    )
+
+
+async def throughput(n_runs: int) -> None:
+    specs = [map_reduce(i) for i in range(n_runs)]  # client-side JSON parsing not counted
+    async with Manager({"e0": noop_engine()}) as m:
+        start = time.perf_counter()
+        ids = [await m.create_run(s) for s in specs]
+        for rid in ids:
+            async for _ in m.subscribe(rid):
+                pass
+        wall = time.perf_counter() - start
+        calls = 5 * n_runs
+        assert all(m.run_status(r).state == "finished" for r in ids)
+    print(f"throughput: {n_runs} runs, {calls} calls in {wall:.2f} s")
+    print(f"  {calls / wall:,.0f} calls/s ingested + deduced + scheduled + run (goal >= 20,000)")
+
+
+def decision_path(n_runs: int) -> None:
+    """The same work without the event loop and the engine: build + check the program,
+    deduce objectives, render and key each call, and schedule it (in rounds of 256)."""
+    from parrot_backend.manager.objectives import deduce
+    from parrot_backend.manager.policy import EngineSnapshot, PendingCall, schedule
+    from parrot_backend.manager.prefix import call_prefixes
+    from parrot_backend.manager.render import TokenCache, plan_call
+
+    engine = noop_engine()
+    tokens = TokenCache(engine.tokenize)
+    specs = [map_reduce(i) for i in range(n_runs)]
+    start = time.perf_counter()
+    pending: list[PendingCall] = []
+    for i, spec in enumerate(specs):
+        program = spec.build()
+        deduction = deduce(program, spec.outputs)
+        values = dict(spec.inputs)
+        for name, call in program.calls.items():
+            if not all(v in values for v in call.inputs):
+                continue  # the reduce becomes ready later; counted as deduced only
+            plan = plan_call(call, values, tokens)
+            prefixes = tuple(call_prefixes("noop", call.segments, values, tokens, "t:"))
+            obj = deduction.calls[name]
+            group = None if obj.group is None else f"{i}/{obj.group}"
+            pending.append(
+                PendingCall(f"{i}/{name}", obj.objective, plan.n_tokens, 0.0, prefixes[:1], group)
+            )
+    built = time.perf_counter()
+    engines = [EngineSnapshot("e0", free_kv_tokens=1 << 30)]
+    for k in range(0, len(pending), 256):
+        schedule(pending[k : k + 256], engines, 0.0)
+    done = time.perf_counter()
+    calls = 5 * n_runs
+    print(f"decision path (no event loop, no engine): {calls} calls")
+    print(f"  build + deduce + render + prefix keys: {calls / (built - start):,.0f} calls/s")
+    print(f"  schedule (rounds of 256 ready calls):  {len(pending) / (done - built):,.0f} calls/s")
+    print(f"  together: {calls / (done - start):,.0f} calls/s")
+
+
+async def latency(open_runs: int, n_calls: int) -> None:
+    rng = random.Random(0)
+    async with Manager({"e0": noop_engine()}) as m:
+        first = {"program": {"calls": [{"template": SYSTEM + "Start: {{output:x}}"}]}, "open": True}
+        ids = [await m.create_run(RunSpec.model_validate(first)) for _ in range(open_runs)]
+        await asyncio.sleep(0.1)
+        m.dispatch_delays.clear()
+        m.round_durations.clear()
+        for i in range(n_calls):
+            rid = rng.choice(ids)
+            await m.add_calls(rid, [CallSpec(template=SYSTEM + f"Step {i}: {{{{output:y{i}}}}}")])
+            await asyncio.sleep(0)  # a client's next request arrives a bit later
+        while m.calls_dispatched < open_runs + n_calls:
+            await asyncio.sleep(0.01)
+        print(f"decision latency, steady arrivals, {open_runs} open runs, {n_calls} calls:")
+        show("ready -> dispatched", list(m.dispatch_delays))
+        show("dispatcher round", list(m.round_durations))
+        m.dispatch_delays.clear()
+        m.round_durations.clear()
+        before = m.calls_dispatched
+        for i, rid in enumerate(ids):
+            await m.add_calls(rid, [CallSpec(template=SYSTEM + f"Burst {i}: {{{{output:b}}}}")])
+        while m.calls_dispatched < before + open_runs:
+            await asyncio.sleep(0.01)
+        print(f"decision latency, burst: every one of {open_runs} open runs adds a call at once:")
+        show("ready -> dispatched", list(m.dispatch_delays))
+        show("dispatcher round", list(m.round_durations))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--open-runs", type=int, default=1000)
+    parser.add_argument("--calls", type=int, default=5000)
+    args = parser.parse_args()
+    print("command:", " ".join([".venv/bin/python", *sys.argv]))
+    asyncio.run(throughput(args.runs))
+    decision_path(args.runs)
+    asyncio.run(latency(args.open_runs, args.calls))
+
+
+if __name__ == "__main__":
+    main()

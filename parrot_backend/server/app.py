@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -18,6 +19,9 @@ from .metrics import ServerMetrics
 from .settings import ServerSettings
 from .state import ServerState
 
+if TYPE_CHECKING:
+    from .runtime import NativeRuntime
+
 log = logging.getLogger(__name__)
 
 
@@ -26,9 +30,16 @@ async def _maybe_await(value: object) -> None:
         await value
 
 
-def create_app(engine: EngineClient, *, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(
+    engine: EngineClient,
+    *,
+    settings: ServerSettings | None = None,
+    native: NativeRuntime | None = None,
+) -> FastAPI:
     """Build the app. With `settings.manage_engine` the lifespan starts and stops the engine;
-    otherwise the caller owns it. Raises ValueError for unsafe settings (auth off on a
+    otherwise the caller owns it. With `native` (store + manager, `runtime.py`) the native
+    API is served too, and the lifespan starts it (resuming unfinished runs) after the
+    engine and stops it before. Raises ValueError for unsafe settings (auth off on a
     non-loopback host)."""
     settings = settings or ServerSettings()
     settings.check()
@@ -47,14 +58,21 @@ def create_app(engine: EngineClient, *, settings: ServerSettings | None = None) 
         if settings.manage_engine:
             await _maybe_await(engine.start())
         try:
-            yield
+            if native is not None:
+                await native.start()
+            try:
+                yield
+            finally:
+                if native is not None:
+                    await native.stop()
         finally:
             if settings.manage_engine:
                 await _maybe_await(engine.stop())
 
     app = FastAPI(
         title="parrot-backend",
-        summary="Application-aware LLM serving (Parrot) with an OpenAI-compatible API",
+        summary="Application-aware LLM serving (Parrot): native runs of programs with "
+                "semantic variables, and an OpenAI-compatible API",
         version="0.1.0",
         lifespan=lifespan,
     )
@@ -62,6 +80,13 @@ def create_app(engine: EngineClient, *, settings: ServerSettings | None = None) 
     install_error_handlers(app)
     app.include_router(ops.router)
     app.include_router(openai_api.router)
+    if native is not None:
+        from . import native_api, native_events, native_workflows
+
+        app.state.native = native
+        app.include_router(native_api.router)
+        app.include_router(native_events.router)
+        app.include_router(native_workflows.router)
     # Added last = outermost: auth first (cheap, rejects strangers before we buffer their
     # bodies), then the body limit, then FastAPI.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,

@@ -123,6 +123,46 @@ class CallsMixin(StoreBase):
                 claimed.append(ClaimedCall(call_record(call), tenants[call.run_id], values))
             return claimed
 
+    def hold_call(
+        self,
+        call_id: int,
+        worker: str,
+        *,
+        engine: str | None = None,
+        start: bool = True,
+        lease_s: float = 30.0,
+        events: Sequence[tuple[str, Any]] = (),
+        now: datetime | None = None,
+    ) -> bool:
+        """Claim one given call for ``worker`` (a manager that schedules calls itself):
+        allowed when it is pending, its lease expired, or ``worker`` already holds it.
+        With ``start`` it is marked running on ``engine`` (a new attempt); otherwise only
+        claimed (to record a failure of a call that never ran). ``events`` are appended in
+        the same transaction when the claim succeeds. False when another worker holds it
+        or it is finished."""
+        now = now or utcnow()
+        values: dict[str, Any] = {
+            "claimed_by": worker,
+            "lease_expires_at": now + timedelta(seconds=lease_s),
+        }
+        if start:
+            values.update(status="running", engine=engine, started_at=now,
+                          first_token_at=None, attempts=Call.attempts + 1)
+        else:
+            values.update(status="claimed")
+        with self._write() as s:
+            changed = s.execute(
+                update(Call)
+                .where(Call.id == call_id, or_(_claimable(now), and_(
+                    Call.status.in_(CALL_HELD), Call.claimed_by == worker)))
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if changed and events:
+                run_id = s.scalar(select(Call.run_id).where(Call.id == call_id))
+                append_in(s, [(run_id, t, p) for t, p in events], now)
+            return bool(changed)
+
     def renew_lease(
         self, worker: str, call_ids: Sequence[int], lease_s: float = 30.0,
         now: datetime | None = None,

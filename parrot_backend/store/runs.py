@@ -104,12 +104,14 @@ class RunsMixin(StoreBase):
         workflow_id: int | None = None,
         replay_of: str | None = None,
         events: Sequence[tuple[str, Any]] = (),
+        run_id: str | None = None,
     ) -> RunDetail:
         """Persist a run with its variables and calls (all pending; inputs ready).
 
         ``calls`` are descriptors ``{"name", "inputs", "outputs", "objective"?,
         "task_group"?}`` in program order (their position is the call index).
         ``objectives`` maps output variable names to ``latency`` or ``throughput``.
+        ``run_id`` lets the caller (the server's run executor) choose the id.
         """
         plans = parse_calls(calls)
         inputs = dict(inputs or {})
@@ -119,7 +121,7 @@ class RunsMixin(StoreBase):
             raise InvalidRequestError(f"objectives must be one of {OBJECTIVES}: {bad}")
         check_producers(plans, {}, inputs, 0)
         now = utcnow()
-        run_id = uuid.uuid4().hex
+        run_id = run_id or uuid.uuid4().hex
         with self._write() as s:
             if replay_of is not None:
                 _owned_run(s, tenant_id, replay_of)
@@ -153,9 +155,11 @@ class RunsMixin(StoreBase):
         calls: Sequence[Mapping[str, Any]],
         *,
         program: Mapping[str, Any] | None = None,
+        events: Sequence[tuple[str, Any]] = (),
     ) -> list[int]:
         """Append calls to an open run; returns their indices. ``program`` replaces the
-        stored program JSON (the caller's merged program), when given."""
+        stored program JSON (the caller's merged program), when given; ``events`` are
+        appended in the same transaction."""
         plans = parse_calls(calls)
         with self._write() as s:
             run = _owned_run(s, tenant_id, run_id)
@@ -176,6 +180,8 @@ class RunsMixin(StoreBase):
             _insert_calls(s, run_id, plans, first, utcnow())
             if program is not None:
                 run.program = dict(program)
+            if events:
+                append_in(s, [(run_id, t, p) for t, p in events])
             return list(range(first, first + len(plans)))
 
     def annotate_calls(self, run_id: str, plans: Mapping[int, Mapping[str, Any]]) -> int:

@@ -1,0 +1,152 @@
+"""Request and response models of the native API (runs, variables, workflows).
+
+Programs use the shared JSON form (`parrot_backend.program.spec`): `RunSpec` is the body
+of `POST /v1/runs` as it is. Responses are plain views of the store's records.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from parrot_backend.program import CallSpec, Criterion, ProgramSpec
+from parrot_backend.program.template import NAME_PATTERN
+
+WorkflowName = Field(pattern=f"^{NAME_PATTERN}$", max_length=200)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class AddCallsRequest(_Strict):
+    """Calls to add to an open run."""
+
+    calls: list[CallSpec] = Field(min_length=1, max_length=1000)
+
+
+class SetVariableRequest(_Strict):
+    """The value of an input variable."""
+
+    value: str
+
+
+class ReplayRequest(_Strict):
+    """Replay a run: its program again, with its inputs, or these (merged over them)."""
+
+    inputs: dict[str, str] = Field(default_factory=dict)
+
+
+class RegisterWorkflowRequest(_Strict):
+    """Store `program` as the next version of the workflow `name`.
+
+    `public` lets every run of it share cached prefixes across tenants.
+    """
+
+    name: str = WorkflowName
+    program: ProgramSpec
+    public: bool = False
+
+
+class StartWorkflowRequest(_Strict):
+    """Run a stored workflow (the latest version unless `version` is given)."""
+
+    inputs: dict[str, str] = Field(default_factory=dict)
+    outputs: dict[str, Criterion] = Field(default_factory=dict)
+    version: int | None = Field(None, ge=1)
+
+
+class RunCreated(BaseModel):
+    """A run was created and committed."""
+
+    run_id: str
+    replay_of: str | None = None
+    workflow: str | None = None
+    version: int | None = None
+
+
+class CallsAdded(BaseModel):
+    """Names of the calls added (unnamed ones become `#<index>`)."""
+
+    run_id: str
+    names: list[str]
+
+
+class VariableView(BaseModel):
+    """A semantic variable: `pending`, `ready` (with `value`) or `failed` (with `error`)."""
+
+    name: str
+    status: Literal["pending", "ready", "failed"]
+    value: str | None = None
+    error: str | None = None
+    producer_call: int | None = None
+    set_at: datetime | None = None
+
+
+class CallView(BaseModel):
+    """One call of a run: its place in the DAG, objective, task group and timings."""
+
+    idx: int
+    name: str | None
+    inputs: list[str]
+    outputs: list[str]
+    status: str
+    engine: str | None
+    objective: str | None
+    task_group: str | None
+    attempts: int
+    queued_at: datetime
+    started_at: datetime | None
+    first_token_at: datetime | None
+    finished_at: datetime | None
+    completion_tokens: int | None
+    error: str | None
+
+
+class RunSummary(BaseModel):
+    """A run as listings show it. `status`: pending, running, done, failed, cancelled."""
+
+    run_id: str
+    status: str
+    open: bool
+    outputs: dict[str, Any]
+    created_at: datetime
+    finished_at: datetime | None
+    replay_of: str | None
+    workflow_id: int | None
+    error: str | None
+
+
+class RunList(BaseModel):
+    """A page of a tenant's runs, newest first."""
+
+    runs: list[RunSummary]
+
+
+class RunDetailView(BaseModel):
+    """A run with its program, DAG (calls and variables), objectives and task groups."""
+
+    run: RunSummary
+    program: dict[str, Any]
+    inputs: dict[str, Any]
+    variables: dict[str, VariableView]
+    calls: list[CallView]
+    task_groups: dict[str, list[int]]
+
+
+class WorkflowView(BaseModel):
+    """One version of a stored workflow."""
+
+    name: str
+    version: int
+    public: bool
+    created_at: datetime
+    program: dict[str, Any]
+
+
+class WorkflowList(BaseModel):
+    """Every workflow version of the tenant."""
+
+    workflows: list[WorkflowView]

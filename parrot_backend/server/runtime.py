@@ -1,0 +1,185 @@
+"""The native runtime: store + manager + persister, and recovery of unfinished runs.
+
+`NativeRuntime` is what the native API routes use. It owns the `Manager` (runs on the
+engines) and the `StorePersister` (every manager event committed before it is visible),
+maps tenant names (what auth resolves) to store tenant ids, derives prefix salts, and on
+start resumes the runs the store holds as unfinished: ready variables are passed to the
+manager as known values (never recomputed), calls not done run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from parrot_backend.engine.interface import EngineClient
+from parrot_backend.manager.executor import Manager, ManagerConfig
+from parrot_backend.program import ProgramError, ProgramSpec, RunSpec
+from parrot_backend.store import NotFoundError, RunRecord, Store
+
+from .auth import tenant_salt
+from .notify import Notifier
+from .persist import RunMeta, StorePersister
+
+log = logging.getLogger(__name__)
+
+
+def default_worker() -> str:
+    """A worker id stable across restarts on one host: a restarted server releases the
+    claims its previous life held without waiting for their leases."""
+    return f"serve@{socket.gethostname()}"
+
+
+class NativeRuntime:
+    """Runs programs for tenants, persisted in `store`. Start it on the serving loop."""
+
+    def __init__(
+        self,
+        store: Store,
+        engines: Mapping[str, EngineClient],
+        *,
+        worker: str | None = None,
+        salt_secret: bytes | None = None,
+        manager_config: ManagerConfig | None = None,
+        keep_finished_s: float = 60.0,
+        flush_interval_s: float = 0.02,
+        persist: bool = True,
+    ) -> None:
+        self.store = store
+        self.worker = worker or default_worker()
+        self.salt_secret = salt_secret or uuid.uuid4().bytes
+        self.notifier = Notifier()
+        self.persister = StorePersister(store, self.worker, self.notifier,
+                                        flush_interval_s=flush_interval_s)
+        listeners: list[Any] = [self.persister, self] if persist else [self]
+        self.manager = Manager(engines, config=manager_config, listeners=listeners)
+        self.keep_finished_s = keep_finished_s
+        self._tenants: dict[str, int] = {}
+        self._forget_tasks: set[asyncio.Task[None]] = set()
+        self.recovered: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the manager and the persister, then resume unfinished runs."""
+        self.persister.start()
+        await self.manager.start()
+        self.recovered = await self.recover()
+
+    async def stop(self) -> None:
+        """Persist what is buffered and stop. Runs still going stay unfinished in the
+        store (the manager's cancellation on stop is not persisted): the next start
+        resumes them."""
+        await self.persister.stop()
+        await self.manager.stop()
+        for task in list(self._forget_tasks):
+            task.cancel()
+
+    # ------------------------------------------------------------------ tenants
+    async def tenant_id(self, tenant: str) -> int:
+        """The store id of a tenant name (created on first use)."""
+        found = self._tenants.get(tenant)
+        if found is None:
+            record = await asyncio.to_thread(self.store.ensure_tenant, tenant)
+            found = self._tenants[tenant] = record.id
+        return found
+
+    def salt(self, tenant: str) -> str:
+        """The server-derived prefix salt of a tenant (never chosen by a client)."""
+        return tenant_salt(self.salt_secret, tenant)
+
+    async def key_lookup(self, key: str) -> str | None:
+        """Bearer key -> tenant name, from the store's API keys."""
+        record = await asyncio.to_thread(self.store.tenant_for_key, key)
+        return None if record is None else record.name
+
+    # ------------------------------------------------------------------ runs
+    async def create_run(
+        self,
+        tenant: str,
+        spec: RunSpec,
+        *,
+        workflow_id: int | None = None,
+        replay_of: str | None = None,
+    ) -> str:
+        """Create and start a run; returns its id once it is committed."""
+        tenant_id = await self.tenant_id(tenant)
+        run_id = uuid.uuid4().hex
+        self.persister.expect(run_id, RunMeta(tenant_id, workflow_id, replay_of))
+        try:
+            await self.manager.create_run(spec, tenant=tenant, salt=self.salt(tenant),
+                                          run_id=run_id)
+        except BaseException:
+            self.persister.drop(run_id)
+            raise
+        return run_id
+
+    async def owned(self, tenant: str, run_id: str) -> RunRecord:
+        """The run's summary if `tenant` owns it; NotFoundError otherwise (also for
+        another tenant's run, which must look exactly like a missing one)."""
+        tenant_id = await self.tenant_id(tenant)
+        detail = await asyncio.to_thread(self.store.get_run, tenant_id, run_id)
+        return detail.run
+
+    def live(self, tenant: str, run_id: str) -> bool:
+        """Whether the manager holds this tenant's run in memory."""
+        run = self.manager.runs.get(run_id)
+        return run is not None and run.tenant == tenant
+
+    # ------------------------------------------------------------------ listener
+    async def on_event(self, run_id: str, type: str, payload: dict[str, Any]) -> None:
+        """Second listener (after the persister): forget finished runs after a while,
+        so memory stays bounded; the store answers for them from then on."""
+        if type == "run_finished":
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.keep_finished_s, self._schedule_forget, run_id)
+
+    def _schedule_forget(self, run_id: str) -> None:
+        task = asyncio.create_task(self._forget(run_id))
+        self._forget_tasks.add(task)
+        task.add_done_callback(self._forget_tasks.discard)
+
+    async def _forget(self, run_id: str) -> None:
+        run = self.manager.runs.get(run_id)
+        if run is not None and run.state != "running":
+            await self.manager.forget(run_id)
+            self.persister.drop(run_id)
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self) -> list[str]:
+        """Resume every unfinished run in the store; returns their ids."""
+        st = self.store
+        await asyncio.to_thread(st.release_worker_claims, self.worker)
+        resumed = []
+        for unfinished in await asyncio.to_thread(st.unfinished_runs):
+            run_id = unfinished.run.id
+            try:
+                await self._resume(unfinished.run)
+                resumed.append(run_id)
+            except (ProgramError, ValueError, NotFoundError) as exc:
+                log.error("run %s cannot be resumed: %s", run_id, exc)
+                self.persister.drop(run_id)
+                await asyncio.to_thread(st.set_run_status, run_id, "failed",
+                                        error=f"not resumable: {exc}")
+        if resumed:
+            log.info("resumed %d unfinished run(s)", len(resumed))
+        return resumed
+
+    async def _resume(self, record: RunRecord) -> None:
+        tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant_id)
+        self._tenants[tenant.name] = tenant.id
+        detail = await asyncio.to_thread(self.store.get_run, tenant.id, record.id)
+        ready = {n: v for n, v in detail.variables.items() if v.status == "ready"}
+        inputs = {n: v.value or "" for n, v in ready.items() if v.producer_call is None}
+        known = {n: v.value or "" for n, v in ready.items() if v.producer_call is not None}
+        spec = RunSpec(program=ProgramSpec.model_validate(detail.program), inputs=inputs,
+                       outputs=dict(record.objectives), open=record.open)
+        meta = RunMeta(tenant.id, record.workflow_id, record.replay_of, resumed=True,
+                       program=dict(detail.program), started=record.status == "running")
+        meta.set_calls(detail.calls)
+        self.persister.expect(record.id, meta)
+        await self.manager.create_run(spec, tenant=tenant.name, salt=self.salt(tenant.name),
+                                      run_id=record.id, known=known)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import time
 import uuid
 from collections import deque
@@ -54,6 +55,8 @@ from .runs import (
     VariableFailed,
 )
 from .sharing import SharedPrefixes, shareable
+
+log = logging.getLogger(__name__)
 
 PRIORITY = {"latency": 0, "throughput": 1}  # engine priority: lower runs first
 
@@ -134,15 +137,28 @@ class Manager:
             self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="parrot-dispatch")
 
     async def stop(self) -> None:
-        """Cancel every running run and stop the dispatcher (engines are not stopped)."""
-        for run in list(self.runs.values()):
-            if run.state == "running":
-                await self.cancel(run.run_id)
+        """Stop the dispatcher and every running call, freeing their engine contexts.
+
+        Runs are not marked cancelled (no event): a store can resume them after a
+        restart. Pending `get`s raise RunCancelled. Engines are not stopped.
+        """
         if self._dispatcher is not None:
             self._dispatcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._dispatcher
             self._dispatcher = None
+        self._pending.clear()
+        tasks = [t for run in self.runs.values() for t in run.tasks.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for run in self.runs.values():
+            for fut in run.futures.values():
+                if not fut.done():
+                    fut.set_exception(RunCancelled(f"run {run.run_id}: the manager stopped"))
+                    fut.exception()
+            run.futures.clear()
+            run.log.close()
 
     async def __aenter__(self) -> Manager:
         await self.start()
@@ -202,9 +218,13 @@ class Manager:
         for name, call in program.calls.items():
             if all(out in known for out in call.outputs):
                 run.calls[name].state = "finished"
-        await self._deduce(run)
-        self._ready_calls(run, program.calls)
-        await self._maybe_finish(run)
+        try:
+            await self._deduce(run)
+            self._ready_calls(run, program.calls)
+            await self._maybe_finish(run)
+        except BaseException:
+            await self.cancel(run_id)  # recorded as created: record its end too
+            raise
         return run_id
 
     async def add_calls(self, run_id: str, calls: Sequence[CallSpec]) -> list[str]:
@@ -439,7 +459,12 @@ class Manager:
                 await self._wake.wait()
             self._wake.clear()
             if self._pending:
-                await self._round()
+                try:
+                    await self._round()
+                except Exception:  # a bug must not stop every run: log, retry next round
+                    log.exception("dispatcher round failed")
+                    await asyncio.sleep(0.1)
+                    self._wake.set()
 
     async def _round(self) -> None:
         began = time.perf_counter()
@@ -452,7 +477,7 @@ class Manager:
             self.config.static_prefix_min_tokens,
             lambda p: p.key in statics,
         )
-        biggest = max(self._capacity.values())
+        biggest = max(self._capacity.values(), default=1 << 62)
         pending: list[PendingCall] = []
         for r, prefixes in zip(ready, shared, strict=True):
             r.shared = prefixes
@@ -497,7 +522,11 @@ class Manager:
         return chosen
 
     async def _snapshot(self, engine_id: str) -> EngineSnapshot:
-        stats = await self.engines[engine_id].stats()
+        try:
+            stats = await self.engines[engine_id].stats()
+        except Exception:  # an unreachable engine takes no work this round
+            log.warning("engine %s: stats failed; skipping it this round", engine_id)
+            return EngineSnapshot(engine_id, batch_size=self.config.policy.max_batch)
         self._capacity[engine_id] = stats.blocks_total * stats.block_size
         load = self._load[engine_id]
         table = self.sharing.table
@@ -590,12 +619,19 @@ class Manager:
         except Exception as exc:  # an engine error fails this call only
             error = f"{type(exc).__name__}: {exc}"
         await self._cleanup(runner, engine_id, keys)
-        if error is not None:
+        try:
+            if error is None:
+                await self._emit(run, "call_finished", {"call": name})
+                run.calls[name].state = "finished"
+                await self._maybe_finish(run)
+                return
+        except Exception as exc:  # e.g. a listener that cannot record the end
+            error = f"{type(exc).__name__}: {exc}"
+        try:
             await self._fail_calls(run, {name: error})
-            return
-        await self._emit(run, "call_finished", {"call": name})
-        run.calls[name].state = "finished"
-        await self._maybe_finish(run)
+        except Exception:  # the failure itself cannot be recorded: keep the state honest
+            log.exception("run %s: recording the failure of call %r failed", run.run_id, name)
+            run.calls[name].state, run.calls[name].error = "failed", error
 
     async def _cleanup(self, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
         await runner.free()

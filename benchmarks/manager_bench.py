@@ -129,7 +129,8 @@ async def latency(open_runs: int, n_calls: int) -> None:
     async with Manager({"e0": noop_engine()}) as m:
         first = {"program": {"calls": [{"template": SYSTEM + "Start: {{output:x}}"}]}, "open": True}
         ids = [await m.create_run(RunSpec.model_validate(first)) for _ in range(open_runs)]
-        await asyncio.sleep(0.1)
+        while m.calls_dispatched < open_runs or any(m.runs[r].tasks for r in ids):
+            await asyncio.sleep(0.01)  # the opening calls are done: measure from here
         m.dispatch_delays.clear()
         m.round_durations.clear()
         for i in range(n_calls):

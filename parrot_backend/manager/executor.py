@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from parrot_backend.engine.interface import EngineClient, TokenDelta
+from parrot_backend.engine.interface import EngineClient, EngineStats, TokenDelta
 from parrot_backend.program import (
     CallSpec,
     Criterion,
@@ -81,6 +81,8 @@ class _Ready:
     prefixes: tuple[Prefix, ...]
     static_key: str | None
     enqueued_at: float
+    objective: Criterion = "throughput"  # kept current by _deduce
+    group: int | None = None
     shared: tuple[Prefix, ...] = ()
 
 
@@ -148,6 +150,8 @@ class Manager:
                 await self._dispatcher
             self._dispatcher = None
         self._pending.clear()
+        for run in self.runs.values():
+            run.queued.clear()
         tasks = [t for run in self.runs.values() for t in run.tasks.values()]
         for task in tasks:
             task.cancel()
@@ -323,8 +327,8 @@ class Manager:
         if run.state != "running":
             return
         run.state = "cancelled"  # no call of this run starts from here on
-        for cid in [c for c, r in self._pending.items() if r.run is run]:
-            del self._pending[cid]
+        for name in list(run.queued):
+            self._unqueue(run, name)
         tasks = list(run.tasks.values())
         for task in tasks:
             task.cancel()
@@ -376,6 +380,8 @@ class Manager:
             }
             await self._emit(run, "objectives", {"calls": calls})
         run.deduction = deduction
+        for name, ready in run.queued.items():
+            ready.objective, ready.group = run.objective(name)
 
     async def _set_value(
         self, run: Run, name: str, value: str, *, source: str, call: str | None
@@ -396,7 +402,7 @@ class Manager:
             status = run.calls[name]
             if status.state in ("finished", "failed", "cancelled"):
                 continue
-            self._pending.pop(f"{run.run_id}/{name}", None)
+            self._unqueue(run, name)
             await self._emit(run, "call_failed", {"call": name, "error": reason})
             status.state, status.error = "failed", reason
             for out in run.program.calls[name].outputs:
@@ -442,7 +448,9 @@ class Manager:
                 static = prefixes[0].key
             status.state = "ready"
             ready = _Ready(f"{run.run_id}/{name}", run, name, plan, prefixes, static, self.clock())
+            ready.objective, ready.group = run.objective(name)
             self._pending[ready.call_id] = ready
+            run.queued[name] = ready
             queued = True
         if queued:
             self._wake.set()
@@ -468,8 +476,10 @@ class Manager:
 
     async def _round(self) -> None:
         began = time.perf_counter()
-        snapshots = [await self._snapshot(eid) for eid in self.engines]
-        ready = self._window(snapshots)
+        stats = {eid: await self._stats(eid) for eid in self.engines}
+        cap = self.config.policy.max_batch
+        slots = sum(cap - self._load[eid].batch if st else 0 for eid, st in stats.items())
+        ready = self._window(max(0, slots))
         statics = {r.static_key for r in ready if r.static_key is not None}
         shared = shareable(
             (r.prefixes for r in ready),
@@ -481,69 +491,89 @@ class Manager:
         pending: list[PendingCall] = []
         for r, prefixes in zip(ready, shared, strict=True):
             r.shared = prefixes
-            objective, group = r.run.objective(r.name)
-            gid = None if group is None else f"{r.run.run_id}/{group}"
+            gid = None if r.group is None else f"{r.run.run_id}/{r.group}"
             n = min(r.plan.n_tokens, biggest)  # never more than an empty engine offers
-            pending.append(PendingCall(r.call_id, objective, n, r.enqueued_at, prefixes, gid))
+            pending.append(PendingCall(r.call_id, r.objective, n, r.enqueued_at, prefixes, gid))
+        needed = sum(c.n_tokens for c in pending)
+        keys = {p.key for r in ready for p in r.shared}
+        snapshots = [self._snapshot(eid, st, needed, keys) for eid, st in stats.items()]
         for a in schedule(pending, snapshots, self.clock(), self.config.policy):
-            r = self._pending.pop(a.call_id, None)
+            r = self._pending.get(a.call_id)
             if r is not None and r.run.state == "running":
+                self._unqueue(r.run, r.name)
                 self._start(r, a.engine_id)
         self.round_durations.append(time.perf_counter() - began)
 
-    def _window(self, snapshots: list[EngineSnapshot]) -> list[_Ready]:
+    def _window(self, slots: int) -> list[_Ready]:
         """The pending calls worth offering to the policy this round.
 
         At most `max_batch - batch_size` calls fit on each engine, so when more are pending
-        only that many are offered, latency calls first, then the oldest, plus the other
-        pending members of their task groups (gangs stay whole). Without this, a backlog
-        makes every round cost as much as the whole backlog.
+        only that many are offered: aged calls, then latency calls, then the oldest, plus
+        the other pending members of their task groups (gangs stay whole). Without this,
+        a backlog makes every round cost as much as the whole backlog. `_pending` is in
+        enqueue order, so the oldest come first.
         """
-        cap = self.config.policy.max_batch
-        slots = sum(max(0, cap - s.batch_size) for s in snapshots)
-        pending = list(self._pending.values())
-        if len(pending) <= slots:
-            return pending
-
-        def key(r: _Ready) -> tuple[bool, float]:
-            return (r.run.objective(r.name)[0] != "latency", r.enqueued_at)
-
-        chosen = sorted(pending, key=key)[:slots]
-        groups = {
-            (r.run.run_id, g) for r in chosen if (g := r.run.objective(r.name)[1]) is not None
-        }
+        if len(self._pending) <= slots:
+            return list(self._pending.values())
+        old = self.clock() - self.config.policy.aging_s
+        chosen: dict[str, _Ready] = {}
+        for r in self._pending.values():
+            if r.enqueued_at >= old or len(chosen) >= slots:
+                break
+            chosen[r.call_id] = r
+        for want_latency in (True, False):
+            for r in self._pending.values():
+                if len(chosen) >= slots:
+                    break
+                if (r.objective == "latency") == want_latency:
+                    chosen.setdefault(r.call_id, r)
+        groups = {(r.run.run_id, r.group) for r in chosen.values() if r.group is not None}
         if groups:
-            picked = {r.call_id for r in chosen}
-            chosen += [
-                r
-                for r in pending
-                if r.call_id not in picked and (r.run.run_id, r.run.objective(r.name)[1]) in groups
-            ]
-        return chosen
+            for r in self._pending.values():
+                if (r.run.run_id, r.group) in groups:
+                    chosen.setdefault(r.call_id, r)
+        return list(chosen.values())
 
-    async def _snapshot(self, engine_id: str) -> EngineSnapshot:
+    async def _stats(self, engine_id: str) -> EngineStats | None:
+        """The engine's stats, or None when it cannot be reached (it takes no work)."""
         try:
             stats = await self.engines[engine_id].stats()
-        except Exception:  # an unreachable engine takes no work this round
+        except Exception:
             log.warning("engine %s: stats failed; skipping it this round", engine_id)
-            return EngineSnapshot(engine_id, batch_size=self.config.policy.max_batch)
+            return None
         self._capacity[engine_id] = stats.blocks_total * stats.block_size
+        return stats
+
+    def _snapshot(
+        self, engine_id: str, stats: EngineStats | None, needed: int, keys: set[str]
+    ) -> EngineSnapshot:
+        """What the policy sees of one engine. Only the prefixes this round's calls have
+        are listed, and idle prefixes count as free memory only when the round may need
+        them: both would otherwise cost time in the number of prefixes held."""
+        if stats is None:
+            return EngineSnapshot(engine_id, batch_size=self.config.policy.max_batch)
         load = self._load[engine_id]
         table = self.sharing.table
+        free = stats.free_tokens
+        if free < needed:
+            free += table.evictable_tokens(engine_id)
+        held = frozenset(
+            k for k in keys if (e := table.get(k)) is not None and e.engine_id == engine_id
+        )
         return EngineSnapshot(
             engine_id,
             running_latency=load.latency,
             batch_size=load.batch,
             running_tokens=load.tokens,
-            free_kv_tokens=stats.free_tokens + table.evictable_tokens(engine_id),
-            prefixes=table.held(engine_id),
+            free_kv_tokens=free,
+            prefixes=held,
         )
 
     def _start(self, r: _Ready, engine_id: str) -> None:
         now = self.clock()
         self.dispatch_delays.append(now - r.enqueued_at)
         self.calls_dispatched += 1
-        objective, group = r.run.objective(r.name)
+        objective, group = r.objective, r.group
         status = r.run.calls[r.name]
         status.state, status.engine = "running", engine_id
         load = self._load[engine_id]
@@ -638,6 +668,11 @@ class Manager:
         await self.sharing.release(engine_id, keys)
 
     # ------------------------------------------------------------------ helpers
+    def _unqueue(self, run: Run, name: str) -> None:
+        """Take a ready call off the dispatcher's queue."""
+        run.queued.pop(name, None)
+        self._pending.pop(f"{run.run_id}/{name}", None)
+
     def _engine_kwargs(self, engine_id: str, priority: int) -> dict[str, Any]:
         return {"priority": priority} if self._priority_kw[engine_id] else {}
 

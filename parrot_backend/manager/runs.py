@@ -97,6 +97,7 @@ class Run:
     waits: dict[str, Criterion] = field(default_factory=dict)  # from get(perf=...)
     futures: dict[str, asyncio.Future[str]] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # running calls
+    queued: dict[str, Any] = field(default_factory=dict)  # ready calls the dispatcher holds
     deduction: Deduction | None = None
     state: RunPhase = "running"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # orders listener calls

@@ -88,6 +88,7 @@ async def throughput(n_runs: int) -> None:
 def decision_path(n_runs: int) -> None:
     """The same work without the event loop and the engine: build + check the program,
     deduce objectives, render and key each call, and schedule it (in rounds of 256)."""
+    from parrot_backend.manager.ingest import CallBuilder
     from parrot_backend.manager.objectives import deduce
     from parrot_backend.manager.policy import EngineSnapshot, PendingCall, schedule
     from parrot_backend.manager.prefix import call_prefixes
@@ -95,11 +96,12 @@ def decision_path(n_runs: int) -> None:
 
     engine = noop_engine()
     tokens = TokenCache(engine.tokenize)
+    builder = CallBuilder()
     specs = [map_reduce(i) for i in range(n_runs)]
     start = time.perf_counter()
     pending: list[PendingCall] = []
     for i, spec in enumerate(specs):
-        program = spec.build()
+        program = builder.program(spec)
         deduction = deduce(program, spec.outputs)
         values = dict(spec.inputs)
         for name, call in program.calls.items():

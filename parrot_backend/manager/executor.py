@@ -41,6 +41,7 @@ from parrot_backend.program import (
 
 from .events import Event, EventLog, RunListener
 from .execute import CallRunner
+from .ingest import CallBuilder
 from .objectives import deduce
 from .policy import EngineSnapshot, PendingCall, PolicyConfig, schedule
 from .prefix import Prefix, call_prefixes
@@ -120,6 +121,7 @@ class Manager:
         self.listeners = list(listeners)
         self.clock = clock
         self.runs: dict[str, Run] = {}
+        self.builder = CallBuilder()
         self.tokens = TokenCache(next(iter(self.engines.values())).tokenize)
         self.sharing = SharedPrefixes(self.engines, clock, self._engine_kwargs)
         self.dispatch_delays: deque[float] = deque(maxlen=self.config.delay_samples)
@@ -188,7 +190,7 @@ class Manager:
         the id. `known` gives generated values recovered from a store: calls whose outputs
         are all known do not run again. Raises ProgramError (bad program or inputs).
         """
-        program = spec.build()
+        program = self.builder.program(spec)
         run_id = run_id or uuid.uuid4().hex
         if run_id in self.runs:
             raise ValueError(f"run {run_id} already exists")
@@ -235,7 +237,7 @@ class Manager:
         """Add calls to an open run; returns their names (unnamed ones become `#<index>`)."""
         run = self._open_run(run_id)
         base = len(run.program.calls)
-        built = [spec.build(base + i) for i, spec in enumerate(calls)]
+        built = self.builder.calls(calls, base)
         given = [o for c in built for o in c.outputs if o in run.values]
         if given:
             raise ProgramError(f"variables already given as inputs cannot be generated: {given}")

@@ -180,7 +180,11 @@ async def test_multi_agent_dynamic_prefix_filled_once(tiny_model_dir) -> None:
     assert started_after_ready(manager, "plan", "agent0")
 
 
-async def test_two_runs_share_a_system_prompt_filled_once(tiny_model_dir) -> None:
+@pytest.mark.parametrize(
+    "model", ["tiny_model_dir", pytest.param("smollm2_dir", marks=pytest.mark.slow)]
+)
+async def test_two_runs_share_a_system_prompt_filled_once(model, request) -> None:
+    model_dir = request.getfixturevalue(model)
     system = "You are a concise assistant. Answer every question in one short line. "
     runs = [
         spec(
@@ -191,8 +195,8 @@ async def test_two_runs_share_a_system_prompt_filled_once(tiny_model_dir) -> Non
         )
         for q in ("Why do parrots talk?", "What do parrots eat?")
     ]
-    want, ref_computed = await reference(tiny_model_dir, *runs)
-    got, manager, engine = await managed(tiny_model_dir, *runs)
+    want, ref_computed = await reference(model_dir, *runs)
+    got, manager, engine = await managed(model_dir, *runs)
     assert got == want
     assert manager.sharing.fills["e0"] == 1 and manager.sharing.forks["e0"] == 2
     saved = ref_computed - engine.stats_now().tokens_computed

@@ -14,6 +14,24 @@ change becomes visible (`events.py`).
 
 One manager serves one model: every engine must have the same `model_name` (prefix keys
 and segment tokens are computed once per call, with the first engine's tokenizer).
+
+For the server (all methods on the manager's event loop):
+
+    manager = Manager({"e0": engine}, listeners=[store_listener])
+    await manager.start()                      # or `async with manager:`
+    run_id = await manager.create_run(spec, tenant=..., salt=...)   # RunSpec
+    await manager.add_calls(run_id, [CallSpec, ...])   # open runs only
+    await manager.set_input(run_id, name, value)       # open runs only
+    await manager.close_run(run_id)
+    value = await manager.get(run_id, name, perf="latency", timeout=30)
+    await manager.cancel(run_id); manager.run_status(run_id).to_dict()
+    async for event in manager.subscribe(run_id, after=last_seq): ...
+    await manager.forget(run_id)               # drop a finished run from memory
+    await manager.stop()                       # runs stay resumable (no events)
+
+Errors: ProgramError (a ValueError: bad program, inputs or names; 400), RunNotFound
+(404), RunClosedError (409), VariableFailed and RunCancelled (the value will never come),
+TimeoutError from `get(timeout=...)` (the run goes on).
 """
 
 from __future__ import annotations

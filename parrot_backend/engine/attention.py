@@ -99,39 +99,45 @@ class TorchAttention(AttentionBackend):
         v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def forward(self, q, k_cache, v_cache, meta, scale):
-        out = torch.empty_like(q)
         nb, bs, hkv, d = k_cache.shape
         flat_k = k_cache.view(nb * bs, hkv, d)
         flat_v = v_cache.view(nb * bs, hkv, d)
-        groups = q.shape[1] // hkv
+        gqa = q.shape[1] > hkv
         decode, prefill = self._split(meta)
+        out = None if not prefill else torch.empty_like(q)
         if decode:
             rows, slots, mask = self._decode_plan(meta, decode, q.device)
-            # [n, L, Hkv, D] -> [n, Hkv, L, D], expanded to the query heads (GQA)
-            k = flat_k[slots].transpose(1, 2)
-            v = flat_v[slots].transpose(1, 2)
-            qd = q[rows].unsqueeze(2)  # [n, Hq, 1, D]
+            # [n, L, Hkv, D] -> [n, Hkv, L, D]; SDPA broadcasts KV heads to query heads (GQA)
+            k = flat_k[slots].transpose(1, 2).to(q.dtype)
+            v = flat_v[slots].transpose(1, 2).to(q.dtype)
+            qd = (q if out is None else q[rows]).unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(
-                qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=groups > 1
-            )
-            out[rows] = o.squeeze(2)
+                qd, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+            ).squeeze(2)
+            if out is None:
+                return o  # a pure decode step: rows are 0..n-1 in order
+            out[rows] = o
         for i in prefill:
             s, e = meta.query_start[i], meta.query_start[i + 1]
-            n_ctx = meta.seq_lens[i]
-            slots = self._slots(meta, i, n_ctx, q.device)
-            k = flat_k[slots].transpose(0, 1)  # [Hkv, L, D]
-            v = flat_v[slots].transpose(0, 1)
-            qn = q[s:e].transpose(0, 1)  # [Hq, n, D]
-            n_new = e - s
-            # query j sits at position n_ctx - n_new + j and sees keys 0..that position
-            pos_q = torch.arange(n_ctx - n_new, n_ctx, device=q.device).unsqueeze(1)
-            pos_k = torch.arange(n_ctx, device=q.device).unsqueeze(0)
-            mask = pos_k <= pos_q
+            slots, mask = self._prefill_plan(meta, i, q.device)
+            k = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+            v = flat_v[slots].transpose(0, 1).to(q.dtype)
             o = F.scaled_dot_product_attention(
-                qn, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=groups > 1
+                q[s:e].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
             out[s:e] = o.transpose(0, 1)
         return out
+
+    def _prefill_plan(self, meta: AttentionMetadata, i: int, device):
+        """Slots of sequence i's context and its causal mask (built once per step)."""
+        key = ("prefill", i)
+        if key not in meta.cache:
+            n_ctx, n_new = meta.seq_lens[i], meta.query_len(i)
+            # query j sits at position n_ctx - n_new + j and sees keys 0..that position
+            pos_q = torch.arange(n_ctx - n_new, n_ctx, device=device).unsqueeze(1)
+            pos_k = torch.arange(n_ctx, device=device).unsqueeze(0)
+            meta.cache[key] = (self._slots(meta, i, n_ctx, device), pos_k <= pos_q)
+        return meta.cache[key]
 
     @staticmethod
     def _split(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -162,7 +168,8 @@ class TorchAttention(AttentionBackend):
         valid = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)
         slots = slots.masked_fill(~valid, 0)
         rows = torch.tensor([meta.query_start[i] for i in decode], device=device)
-        mask = valid[:, None, None, :]  # [n, 1, 1, L]
+        # equal lengths need no mask, which lets SDPA take its fastest kernel
+        mask = None if bool(valid.all()) else valid[:, None, None, :]  # [n, 1, 1, L]
         plan = (rows, slots, mask)
         meta.cache[key] = plan
         return plan

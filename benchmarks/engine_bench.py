@@ -32,7 +32,7 @@ TEXT = (
 
 
 def prompts(engine, n: int, length: int) -> list[list[int]]:
-    base = engine.tokenize(TEXT * 40)
+    base = engine.tokenize(TEXT * 80)
     return [base[i * 7: i * 7 + length] for i in range(n)]
 
 
@@ -169,8 +169,9 @@ def bench_memory(path, prefix_len: int, n: int, suffix_len: int) -> dict:
                 await engine.free(i)
             await engine.free("p")
             # mixed workload: ragged prompts and generations alive at once
-            lens = [37, 5, 130, 64, 17, 250, 90, 3]
-            sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+            # chat-like mix: prompts of 40-500 tokens, 32 generated tokens each
+            lens = [180, 45, 320, 96, 410, 260, 75, 500]
+            sampling = SamplingParams(max_tokens=32, ignore_eos=True)
             mixed = prompts(engine, len(lens), max(lens))
             await asyncio.gather(*(engine.fill(f"m{i}", None, m[:k])
                                    for i, (m, k) in enumerate(zip(mixed, lens, strict=True))))

@@ -638,11 +638,13 @@ class Manager:
                     "group": group,
                 },
             )
-            await self.sharing.make_room(engine_id, r.plan.n_tokens)
+            # attach first: it pins the prefixes this call uses, so making room for the
+            # rest of the call cannot evict them
             attached = await self.sharing.attach(
                 engine_id, r.shared, r.plan.prompt, run.salt, priority
             )
             keys = attached.keys
+            await self.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
 
             async def on_token(step: Step, delta: TokenDelta) -> None:
                 await self._emit(

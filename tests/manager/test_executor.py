@@ -356,3 +356,21 @@ async def test_get_times_out_without_stopping_the_run() -> None:
             await m.get(rid, "y", timeout=0.01)
         engine.gate.set()
         assert await m.get(rid, "y") == "<it>"
+
+
+async def test_making_room_never_evicts_the_prefix_the_call_forks_from() -> None:
+    engine = ScriptedEngine(reply=echo, capacity_tokens=16 * 40)
+    system = "The same system prompt every time. "
+    async with Manager({"e0": engine}) as m:
+        for q in ("a", "b"):
+            rid = await m.create_run(
+                spec(
+                    {
+                        "template": system + "{{input:x}} {{output:y}}",
+                        "outputs": {"y": {"max_tokens": 600}},
+                    },
+                    inputs={"x": q},
+                )
+            )
+            await m.get(rid, "y")
+        assert len([f for f in engine.fills if f.text == system]) == 1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 
 from parrot_backend.engine.model_files import DEFAULT_MODEL
 
@@ -65,26 +67,62 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_dir(arg: str | None) -> Path:
+    """--data-dir, else $PARROT_DATA_DIR, else ~/.local/share/parrot-backend."""
+    chosen = arg or os.environ.get("PARROT_DATA_DIR")
+    if chosen:
+        return Path(chosen).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "parrot-backend"
+
+
+def _database_url(args: argparse.Namespace) -> str:
+    """--database-url, else $PARROT_DATABASE_URL, else a SQLite file in the data dir."""
+    url = args.database_url or os.environ.get("PARROT_DATABASE_URL")
+    if url:
+        return url
+    data_dir = _data_dir(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{data_dir / 'parrot.db'}"
+
+
 def _serve(args: argparse.Namespace) -> int:
-    """Run the HTTP server with one in-process engine; exit non-zero if the engine dies."""
+    """Run the HTTP server with the store, one in-process engine and the native runtime;
+    resume unfinished runs; exit non-zero if the engine dies."""
     import logging
 
     import uvicorn
 
     from parrot_backend.engine.engine import Engine
     from parrot_backend.server import ServerSettings, create_app
+    from parrot_backend.server.runtime import NativeRuntime
+    from parrot_backend.server.settings import is_loopback
+    from parrot_backend.store import SchemaOutdatedError, Store, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     keys = {k: f"tenant-{i}" for i, k in enumerate(args.api_key or [])}
-    settings = ServerSettings(host=args.host, port=args.port, api_keys=keys,
-                              auth=bool(keys) or None, manage_engine=True)
+    # the store's keys count whenever auth is on; it is on with keys, on demand, off loopback
+    auth = bool(keys) or args.auth or not is_loopback(args.host)
     try:
-        settings.check()
+        store = Store(_database_url(args), upgrade=not args.no_upgrade)
+    except SchemaOutdatedError as exc:
+        print(f"error: {exc} (run without --no-upgrade to migrate it)", file=sys.stderr)
+        return 2
+    except StoreError as exc:
+        print(f"error: database: {exc}", file=sys.stderr)
+        return 2
+    try:
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                         num_blocks=args.num_blocks)
-        app = create_app(engine, settings=settings)
+        runtime = NativeRuntime(store, {"engine-0": engine}, worker=args.worker_id)
+        settings = ServerSettings(host=args.host, port=args.port, api_keys=keys,
+                                  key_lookup=runtime.key_lookup if auth else None,
+                                  auth=True if auth else None, manage_engine=True,
+                                  salt_secret=runtime.salt_secret)
+        app = create_app(engine, settings=settings, native=runtime)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        store.close()
         return 2
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=10))
@@ -109,6 +147,8 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
+    finally:
+        store.close()
     if failed:
         print(f"fatal: engine failed: {failed[0]!r}", file=sys.stderr)
         return 1
@@ -134,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append",
                    help="accept this Bearer key (repeatable); required off loopback")
+    s.add_argument("--auth", action="store_true",
+                   help="require API keys (static --api-key or the store's tenant keys) "
+                        "even on loopback")
+    s.add_argument("--data-dir", default=None,
+                   help="where the SQLite database lives (default: $PARROT_DATA_DIR or "
+                        "~/.local/share/parrot-backend)")
+    s.add_argument("--database-url", default=None,
+                   help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db "
+                        "(default: $PARROT_DATABASE_URL or SQLite in the data dir)")
+    s.add_argument("--no-upgrade", action="store_true",
+                   help="refuse to start on an older schema instead of migrating it")
+    s.add_argument("--worker-id", default=None,
+                   help="this server's name in call claims (default: serve@<hostname>); "
+                        "keep it stable across restarts")
     s.set_defaults(func=_serve)
     return parser
 

@@ -82,10 +82,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * self.scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * self.scaling, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for these positions, shaped to broadcast over heads (once a step)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; rotate-half convention (as in Hugging Face checkpoints)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
         rot = x.shape[-1] if cos.shape[-1] >= x.shape[-1] else cos.shape[-1]
         xr, xp = x[..., :rot].float(), x[..., rot:]
         x1, x2 = xr.chunk(2, dim=-1)
@@ -135,7 +138,7 @@ class Attention(nn.Module):
             return self.qkv_proj(x).split([nq, nk, nk], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend: AttentionBackend):
+    def forward(self, x, rope, kv_cache, meta, backend: AttentionBackend):
         t = x.shape[0]
         q, k, v = self._qkv(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -143,7 +146,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
@@ -187,8 +190,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
+    def forward(self, x, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -204,8 +207,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, cache, meta, backend)
+            x = layer(x, rope, cache, meta, backend)
         return self.norm(x)
 
 

@@ -200,15 +200,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and KV dtype, the same for both sides")
     args = ap.parse_args()
     torch.manual_seed(0)
     path = resolve_model(None, progress=True)
     new = 8 if args.quick else 32
-    engine = Engine.from_pretrained(path, num_blocks=2048, prefix_cache=False, progress=False)
+    engine = Engine.from_pretrained(path, num_blocks=2048, prefix_cache=False, progress=False,
+                                    dtype=args.dtype)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
+    model.eval()
     out = {
+        "dtype": args.dtype,
         "throughput": bench_throughput(engine, model, new, 64),
         "shared_prefix": bench_shared_prefix(path, 512, 8, 16, 4 if args.quick else 16),
         "memory": bench_memory(path, 512, 8, 16),

@@ -9,6 +9,7 @@ records every fill, generation and free so tests can count them.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class ScriptedEngine:
     fills: list[Fill] = field(default_factory=list)
     generations: list[Generation] = field(default_factory=list)
     freed: list[Hashable] = field(default_factory=list)
+    children: Counter[Hashable] = field(default_factory=Counter)  # live children per context
+    used_tokens: int = 0  # tokens held by all contexts (forks counted again), for stats()
 
     def tokenize(self, text: str) -> list[int]:
         """UTF-8 bytes."""
@@ -84,9 +87,11 @@ class ScriptedEngine:
         if parent_id is not None and parent_id not in self.contexts:
             raise ContextNotFound(f"parent context {parent_id!r} not found")
         tokens = list(self.contexts[parent_id]) if parent_id is not None else []
+        self.used_tokens += len(tokens)
         self.contexts[context_id] = tokens
         if parent_id is not None:
             self.parents[context_id] = parent_id
+            self.children[parent_id] += 1
         return tokens
 
     async def fill(
@@ -103,6 +108,7 @@ class ScriptedEngine:
             raise ContextBusy(f"context {context_id!r} is generating")
         tokens = self._open(context_id, parent_id)
         tokens.extend(token_ids)
+        self.used_tokens += len(token_ids)
         if self.record:
             self.fills.append(
                 Fill(context_id, parent_id, self.detokenize(list(token_ids)), priority)
@@ -143,7 +149,9 @@ class ScriptedEngine:
                     await self.gate.wait()
                 if i == 1 and self.fail_if(prompt):
                     raise EngineError(f"scripted failure on context {context_id!r}")
-                tokens.extend(ch.encode())
+                piece = ch.encode()
+                tokens.extend(piece)
+                self.used_tokens += len(piece)
                 text += ch
                 hit = next((s for s in p.stop if s in text), None)
                 if hit is not None:
@@ -173,16 +181,18 @@ class ScriptedEngine:
             raise ContextNotFound(f"unknown context {context_id!r}")
         if context_id in self.generating:
             raise ContextBusy(f"context {context_id!r} is generating")
-        if context_id in self.parents.values():
+        if self.children[context_id]:
             raise ContextBusy(f"context {context_id!r} has live children")
-        del self.contexts[context_id]
-        self.parents.pop(context_id, None)
+        self.used_tokens -= len(self.contexts.pop(context_id))
+        parent = self.parents.pop(context_id, None)
+        if parent is not None:
+            self.children[parent] -= 1
         if self.record:
             self.freed.append(context_id)
 
     async def stats(self) -> EngineStats:
         """Blocks as if every context held its own tokens (forks are not deduplicated)."""
-        used = sum(len(t) for t in self.contexts.values())
+        used = self.used_tokens
         total = self.capacity_tokens // self.block_size
         used_blocks = min(total, -(-used // self.block_size))
         return EngineStats(

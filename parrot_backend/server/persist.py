@@ -60,6 +60,13 @@ class RunMeta:
         self.call_idx = {c.name: c.idx for c in calls if c.name is not None}
 
 
+def _plain(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Call specs as a client could send them: the manager's `#<index>` names of unnamed
+    calls are dropped (they are not valid user names, and rebuilding gives them back)."""
+    return [{**c, "name": None} if str(c.get("name") or "").startswith("#") else c
+            for c in calls]
+
+
 def _descriptors(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
     """The store's call descriptors (name, inputs, outputs) of call specs, in order."""
     out = []
@@ -162,8 +169,9 @@ class StorePersister:
 
     async def _on_calls_added(self, run_id: str, meta: RunMeta, payload: dict) -> None:
         first = len(meta.program["calls"])
-        calls = _descriptors(payload["calls"], first)
-        program = {**meta.program, "calls": [*meta.program["calls"], *payload["calls"]]}
+        added = _plain(payload["calls"])
+        calls = _descriptors(added, first)
+        program = {**meta.program, "calls": [*meta.program["calls"], *added]}
         await asyncio.to_thread(self.store.add_calls, meta.tenant_id, run_id, calls,
                                 program=program, events=[("calls_added", payload)])
         meta.program = program

@@ -2,6 +2,7 @@
 scheduling-decision latency with many concurrent open runs.
 
     .venv/bin/python benchmarks/manager_bench.py [--runs 2000] [--open-runs 1000]
+        [--calls 5000] [--gc-threshold 50000]
 
 1. Throughput: create runs of a small map-reduce program (4 maps sharing a system prompt,
    1 reduce) and wait for all to finish. Every call is parsed, validated, deduced,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import statistics
 import sys
@@ -161,10 +163,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--open-runs", type=int, default=1000)
     parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=0,
+        help="gen-0 GC threshold (e.g. 50000, a common server setting); 0 keeps Python's",
+    )
     args = parser.parse_args()
+    if args.gc_threshold:
+        # many small objects per call: the default threshold (700) collects constantly
+        gc.set_threshold(args.gc_threshold, 20, 20)
     print("command:", " ".join([".venv/bin/python", *sys.argv]))
+    # collect between phases: one phase's garbage must not pause the next one's timings
     asyncio.run(throughput(args.runs))
+    gc.collect()
     decision_path(args.runs)
+    gc.collect()
     asyncio.run(latency(args.open_runs, args.calls))
 
 

@@ -1,0 +1,391 @@
+"""`RemoteEngine`: the `EngineClient` contract over HTTP, for an engine in another process.
+
+The server side is `parrot_backend.server.engine_api` (run by `parrot-backend engine`);
+its module docstring describes the wire format. Everything the manager does with an
+in-process `Engine` works the same here:
+
+- `fill`, `free`, `stats` are one request each; `generate` is one streamed request (SSE).
+  Closing the `generate` iterator early closes the HTTP stream, and the engine cancels the
+  generation at its next step. Cancelling a `fill` (or `generate`) task does the same.
+- Remote errors come back as the engine's own classes (`InvalidRequest`,
+  `ContextNotFound`, `ContextBusy`, `OutOfMemory`, `RequestCancelled`); an engine that
+  cannot be reached, drops a stream, refuses our key or reports itself dead raises
+  `EngineUnavailable` (an `EngineError`), so a caller that handles `EngineError` per
+  request keeps working, and one that cares can tell "this engine is gone".
+- `tokenize` / `detokenize` are local and synchronous (the manager calls them in hot
+  paths). The tokenizer is **fetched from the engine once at connect time**
+  (`GET /engine/tokenizer`: the files transformers' `save_pretrained` writes) and loaded
+  with `AutoTokenizer`, so a manager node needs no model files and tokenizes exactly as
+  the engine does. Engines with the same tokenizer fingerprint share one loaded copy. Pass
+  `tokenizer=` (a loaded tokenizer, or a model name/path for `resolve_model`) to skip the
+  download.
+
+Create one with `await RemoteEngine.connect(url, api_key=...)`; `await engine.aclose()`
+when done (or `async with`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .errors import (
+    ContextBusy,
+    ContextNotFound,
+    EngineError,
+    InvalidRequest,
+    OutOfMemory,
+    RequestCancelled,
+)
+from .interface import EngineStats, TokenDelta
+from .sampling import SamplingParams
+
+
+class EngineUnavailable(EngineError):
+    """The remote engine cannot be used now: unreachable, the connection dropped, it
+    refused our key, or it reports that it stopped or died."""
+
+
+# error `type` names the engine API sends -> our classes
+_BY_TYPE: dict[str, type[EngineError]] = {
+    "InvalidRequest": InvalidRequest,
+    "ContextNotFound": ContextNotFound,
+    "ContextBusy": ContextBusy,
+    "OutOfMemory": OutOfMemory,
+    "RequestCancelled": RequestCancelled,
+    "EngineError": EngineUnavailable,
+}
+# fallback when a body carries no type (a proxy's page, an older server)
+_BY_STATUS: dict[int, type[EngineError]] = {
+    400: InvalidRequest,
+    422: InvalidRequest,
+    404: ContextNotFound,
+    409: ContextBusy,
+    507: OutOfMemory,
+}
+
+_STAT_FIELDS = frozenset(f.name for f in fields(EngineStats))
+_TOKENIZERS: dict[str, Any] = {}  # fingerprint -> loaded tokenizer, shared by engines
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def error_from_response(status: int, body: Any) -> EngineError:
+    """The exception for an error answer of the engine API."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("type"), str):
+        message = str(err.get("message") or err["type"])
+        cls = _BY_TYPE.get(err["type"])
+        if cls is not None:
+            return cls(message)
+        if status in (401, 403):
+            return EngineUnavailable(f"the engine refused our API key: {message}")
+        return EngineError(f"engine answered {status}: {message}")
+    if status in (401, 403):
+        return EngineUnavailable(f"the engine refused our API key ({status})")
+    if status >= 500 and status != 507:
+        return EngineUnavailable(f"engine answered {status}")
+    return _BY_STATUS.get(status, EngineError)(f"engine answered {status}")
+
+
+def _check_id(value: Hashable | None, what: str) -> None:
+    # Only ints and strings survive JSON unchanged (a tuple would come back a list).
+    if value is None and what == "parent_id":
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidRequest(f"{what} must be an int or a str over HTTP, got {value!r}")
+
+
+def _load_tokenizer(files: dict[str, str]):
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="parrot-remote-tok-") as tmp:
+        for name, text in files.items():
+            if Path(name).name != name or name.startswith("."):
+                raise EngineUnavailable(f"engine sent a tokenizer file named {name!r}")
+            (Path(tmp) / name).write_text(text, "utf-8")
+        # everything is read into memory here; the folder can go away afterwards
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+
+
+def _local_tokenizer(source: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    from .model_files import resolve_model
+
+    path = resolve_model(source, progress=False)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class RemoteEngine:
+    """One remote engine (base URL + key) behind the `EngineClient` interface."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str,
+        info: dict[str, Any],
+        tokenizer: Any,
+        client: httpx.AsyncClient | None = None,
+        control_timeout_s: float = 10.0,
+    ) -> None:
+        """Prefer `connect`, which fetches `info` (`GET /engine/info`) and the tokenizer."""
+        self.base_url = base_url.rstrip("/")
+        self.info = dict(info)
+        self.model_name: str = info["model_name"]
+        self.vocab_size: int = info["vocab_size"]
+        self.max_model_len: int = info["max_model_len"]
+        self.block_size: int = info["block_size"]
+        self.chat_template: str | None = info.get("chat_template")
+        self.special_tokens: dict[str, str] = dict(info.get("special_tokens") or {})
+        self.eos_ids = frozenset(info.get("eos_token_ids") or ())
+        self.tokenizer = tokenizer
+        self.control_timeout_s = control_timeout_s
+        self._owns_client = client is None
+        self._client = client or self.make_client(self.base_url, api_key)
+        self.closed = False
+
+    @staticmethod
+    def make_client(base_url: str, api_key: str) -> httpx.AsyncClient:
+        # No read timeout by default: a fill or a generation may wait long in the engine's
+        # queue; liveness comes from the connection itself (a dead process resets it) and
+        # from the registry's heartbeats. Control calls set their own timeout.
+        return httpx.AsyncClient(
+            base_url=base_url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(None, connect=5.0, pool=None),
+            # one connection per concurrent stream; the manager bounds the batch itself
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            trust_env=False,  # engines are reached directly, never through HTTP(S)_PROXY
+        )
+
+    @classmethod
+    async def connect(
+        cls,
+        base_url: str,
+        *,
+        api_key: str,
+        tokenizer: Any = None,
+        control_timeout_s: float = 10.0,
+    ) -> RemoteEngine:
+        """Fetch the engine's info and tokenizer; raises EngineUnavailable when the engine
+        cannot be reached or does not speak the engine API. `tokenizer`: a loaded tokenizer,
+        or a local model name/path to load it from, instead of downloading it."""
+        base_url = base_url.rstrip("/")
+        client = cls.make_client(base_url, api_key)
+        try:
+            info = await cls._get_json(client, "/engine/info", control_timeout_s)
+            if tokenizer is None:
+                tokenizer = await cls._fetch_tokenizer(client, info, control_timeout_s)
+            elif isinstance(tokenizer, (str, os.PathLike)):
+                tokenizer = _local_tokenizer(tokenizer)
+            return cls(base_url, api_key=api_key, info=info, tokenizer=tokenizer,
+                       client=client, control_timeout_s=control_timeout_s)._own()
+        except BaseException:
+            await client.aclose()
+            raise
+
+    def _own(self) -> RemoteEngine:
+        self._owns_client = True
+        return self
+
+    @classmethod
+    async def _get_json(cls, client: httpx.AsyncClient, path: str, timeout: float) -> Any:
+        try:
+            response = await client.get(path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"cannot reach engine at {client.base_url}: {exc!r}") from exc
+        if response.status_code != 200:
+            err = error_from_response(response.status_code, _json_or_none(response))
+            if not isinstance(err, EngineUnavailable):
+                err = EngineUnavailable(f"{client.base_url}{path}: {err}")
+            raise err
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineUnavailable(f"{client.base_url}{path} did not answer JSON") from exc
+
+    @classmethod
+    async def _fetch_tokenizer(cls, client: httpx.AsyncClient, info: dict, timeout: float):
+        fingerprint = info.get("tokenizer_fingerprint")
+        with _TOKENIZERS_LOCK:
+            if fingerprint in _TOKENIZERS:
+                return _TOKENIZERS[fingerprint]
+        payload = await cls._get_json(client, "/engine/tokenizer", timeout)
+        tokenizer = _load_tokenizer(payload["files"])
+        with _TOKENIZERS_LOCK:
+            return _TOKENIZERS.setdefault(payload["fingerprint"], tokenizer)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Nothing to start (the engine runs in its own process); for `create_app`'s
+        `manage_engine`."""
+
+    async def stop(self) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client; streams in progress end with EngineUnavailable."""
+        self.closed = True
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> RemoteEngine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.base_url!r}, model={self.model_name!r})"
+
+    # ------------------------------------------------------------------ local
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids for a text segment, without special tokens (as `Engine.tokenize`)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ primitives
+    async def fill(
+        self,
+        context_id: Hashable,
+        parent_id: Hashable | None,
+        token_ids: list[int],
+        *,
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> int:
+        """Append tokens to a context (forking it from `parent_id` if new); returns its
+        length. Cancelling the awaiting task cancels the remote fill."""
+        _check_id(context_id, "context_id")
+        _check_id(parent_id, "parent_id")
+        body = {"context_id": context_id, "parent_id": parent_id,
+                "token_ids": list(token_ids), "salt": salt, "priority": priority}
+        data = await self._post("/engine/fill", body, timeout=None)
+        return int(data["length"])
+
+    async def generate(
+        self,
+        context_id: Hashable,
+        parent_id: Hashable | None,
+        sampling: SamplingParams,
+        *,
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream the deltas of a remote generation; the last has `finish_reason` set.
+        Closing the iterator early closes the stream, which cancels the generation."""
+        _check_id(context_id, "context_id")
+        _check_id(parent_id, "parent_id")
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequest("sampling must be a SamplingParams")
+        self._check_open()
+        body = {"context_id": context_id, "parent_id": parent_id, "sampling": asdict(sampling),
+                "salt": salt, "priority": priority}
+        finished = False
+        try:
+            async with self._client.stream("POST", "/engine/generate", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise error_from_response(response.status_code, _json_or_none(response))
+                async for event, data in _sse_events(response.aiter_lines()):
+                    if event == "error":
+                        raise error_from_response(200, _loads(data))
+                    payload = _loads(data)
+                    delta = TokenDelta(payload["token_id"], payload["text"],
+                                       payload.get("finish_reason"))
+                    finished = delta.finish_reason is not None
+                    yield delta
+                    if finished:
+                        return
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"engine at {self.base_url}: {exc!r}") from exc
+        if not finished:
+            raise EngineUnavailable(f"engine at {self.base_url} ended the stream early")
+
+    async def free(self, context_id: Hashable) -> None:
+        """Release a context (blocks other contexts hold stay alive)."""
+        _check_id(context_id, "context_id")
+        await self._post("/engine/free", {"context_id": context_id},
+                         timeout=self.control_timeout_s)
+
+    async def stats(self) -> EngineStats:
+        self._check_open()
+        data = await self._get_json(self._client, "/engine/stats", self.control_timeout_s)
+        known = {k: v for k, v in data.items() if k in _STAT_FIELDS}
+        # fields a newer engine adds land in `extra` instead of breaking us
+        extra = dict(known.pop("extra", None) or {})
+        extra.update({k: v for k, v in data.items() if k not in _STAT_FIELDS})
+        return EngineStats(**known, extra=extra)
+
+    async def health(self) -> bool:
+        """Whether `/healthz` answers OK (it needs no key)."""
+        try:
+            response = await self._client.get("/healthz", timeout=self.control_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    # ------------------------------------------------------------------ plumbing
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineUnavailable(f"engine at {self.base_url}: client closed")
+
+    async def _post(self, path: str, body: dict, *, timeout: float | None) -> Any:
+        self._check_open()
+        try:
+            response = await self._client.post(path, json=body, timeout=httpx.Timeout(
+                timeout, connect=5.0, pool=None))
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"engine at {self.base_url}: {exc!r}") from exc
+        data = _json_or_none(response)
+        if response.status_code != 200:
+            raise error_from_response(response.status_code, data)
+        if data is None:
+            raise EngineUnavailable(f"engine at {self.base_url}{path} did not answer JSON")
+        return data
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _loads(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise EngineUnavailable(f"engine sent a malformed event: {data[:200]!r}") from exc
+
+
+async def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
+    """(event name, data) per server-sent event; comment lines (pings) are skipped."""
+    event, data = "message", []
+    async for line in lines:
+        if not line:
+            if data:
+                yield event, "\n".join(data)
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+    if data:
+        yield event, "\n".join(data)

@@ -1,0 +1,365 @@
+"""The engine process's HTTP API: `fill`, `generate`, `free`, `stats` for a remote manager.
+
+`create_engine_app(engine, api_key=...)` serves one in-process `Engine` (anything with its
+attributes) to `parrot_backend.engine.remote.RemoteEngine`. Every route except `/healthz`
+needs `Authorization: Bearer <api_key>`, the docs and the OpenAPI schema included: this
+API runs arbitrary prompts and frees anyone's contexts, so it is never open (vLLM's API key
+left most of its routes open). There is no way to turn the key off.
+
+Wire format
+- Context ids are JSON integers or strings, kept as such (`1` and `"1"` differ).
+- `POST /engine/generate` waits for the first token, so a bad request (unknown context,
+  bad sampling, busy parent, no room) is an HTTP status like the other routes; then it
+  streams **server-sent events**: one `data: {"token_id", "text", "finish_reason"}` frame
+  per `TokenDelta`, the last one with `finish_reason` set; a failure after that point is an
+  `event: error` frame with the error body below. Comment lines (`: ping`) keep idle
+  streams alive.
+- Errors: `{"error": {"type": <engine error class>, "message": ...}}` with
+  400 InvalidRequest (also malformed bodies), 404 ContextNotFound, 409 ContextBusy,
+  507 OutOfMemory, 503 RequestCancelled / EngineError (the engine is stopped or dead),
+  401 for a missing or wrong key.
+- A client that disconnects (closes the stream or abandons a fill) cancels the engine
+  request at its next step: the context keeps what was computed or generated so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import inspect
+import json
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..engine.errors import (
+    ContextBusy,
+    ContextNotFound,
+    EngineError,
+    InvalidRequest,
+    OutOfMemory,
+    RequestCancelled,
+)
+from ..engine.sampling import SamplingParams
+from .sse import ClosingEventSourceResponse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HEALTH_PATH = "/healthz"  # the only route that answers without a key (for supervisors)
+PING_S = 15.0
+SEND_TIMEOUT_S = 60.0  # a manager that stops reading its stream is dropped after this
+
+# status per engine error class; the class name travels as the error `type`
+STATUS = {
+    InvalidRequest: 400,
+    ContextNotFound: 404,
+    ContextBusy: 409,
+    OutOfMemory: 507,
+    RequestCancelled: 503,
+}
+
+ContextId = StrictInt | StrictStr  # strict: "1" must not silently become 1 (or True 1)
+
+
+# ---------------------------------------------------------------- request/response models
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a typo in a field name is an error
+
+
+class FillRequest(_Body):
+    context_id: ContextId
+    parent_id: ContextId | None = None
+    token_ids: list[StrictInt] = Field(min_length=0)
+    salt: str | None = None
+    priority: int = 0
+
+
+class FillResponse(BaseModel):
+    length: int = Field(description="the context's length in tokens after the fill")
+
+
+class SamplingBody(_Body):
+    """Mirrors `SamplingParams`; the engine validates the values (400 naming the field)."""
+
+    max_tokens: StrictInt = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: StrictInt = 0
+    seed: StrictInt | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump())
+
+
+class GenerateRequest(_Body):
+    context_id: ContextId
+    parent_id: ContextId | None = None
+    sampling: SamplingBody = Field(default_factory=SamplingBody)
+    salt: str | None = None
+    priority: int = 0
+
+
+class FreeRequest(_Body):
+    context_id: ContextId
+
+
+class OkResponse(BaseModel):
+    ok: bool = True
+
+
+class EngineInfo(BaseModel):
+    """What a client needs to know about the engine before it sends anything."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = Field(default_factory=dict)
+    eos_token_ids: list[int] = Field(default_factory=list)
+    tokenizer_fingerprint: str = Field(description="sha256 of the files /engine/tokenizer serves")
+
+
+class TokenizerFiles(BaseModel):
+    """The engine's tokenizer as saved by transformers (`save_pretrained`): loading these
+    files with `AutoTokenizer` gives the engine's exact tokenization."""
+
+    fingerprint: str
+    files: dict[str, str]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_response(status: int, type_: str, message: str) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(type=type_, message=message))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def engine_error_payload(exc: EngineError) -> tuple[int, str]:
+    """(HTTP status, type name) for an engine error; unknown subclasses count as the
+    engine being unavailable (it is stopped or its loop died)."""
+    for cls, status in STATUS.items():
+        if isinstance(exc, cls):
+            return status, cls.__name__
+    return 503, "EngineError"
+
+
+# ---------------------------------------------------------------- auth
+class EngineKeyMiddleware:
+    """Every path but /healthz needs the engine's key; unknown paths too (fail closed)."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == HEALTH_PATH:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, key = header.partition(" ")
+        # Compare digests in constant time so the check leaks nothing about the key.
+        given = hashlib.sha256(key.strip().encode("utf-8", "surrogatepass")).digest()
+        if scheme.lower() == "bearer" and hmac.compare_digest(given, self._digest):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key" if not header else "invalid API key"
+        response = error_response(401, "Unauthorized",
+                                  f"{message}: send 'Authorization: Bearer <engine key>'")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="parrot-engine"'
+        await response(scope, receive, send)
+
+
+# ---------------------------------------------------------------- helpers
+async def _race_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Await `work`, cancelling it when the client goes away (a manager that cancelled its
+    fill or generate closes the connection; the engine must stop working for it).
+    Returns (disconnected, result)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # the engine call sees CancelledError and cancels its request
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return True, None
+    return False, task.result()
+
+
+def _frame(payload: dict[str, Any], event: str | None = None) -> bytes:
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return (head + "data: " + text + "\n\n").encode("utf-8")
+
+
+def _tokenizer_files(tokenizer) -> TokenizerFiles:
+    with tempfile.TemporaryDirectory(prefix="parrot-tok-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.read_text("utf-8") for p in sorted(Path(tmp).iterdir())
+                 if p.is_file()}
+    digest = hashlib.sha256()
+    for name, text in files.items():
+        digest.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
+    return TokenizerFiles(fingerprint=digest.hexdigest(), files=files)
+
+
+async def _maybe_await(value: object) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+# ---------------------------------------------------------------- the app
+def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> FastAPI:
+    """The engine API around `engine` (an in-process `Engine`: it needs `tokenizer`,
+    `vocab_size`, `max_model_len`, `pool.block_size` besides the primitives). With
+    `manage_engine` the app's lifespan starts and stops the engine. Raises ValueError
+    without a key: an open engine API would let anyone run and free contexts."""
+    if not api_key or not api_key.strip():
+        raise ValueError("the engine API needs an API key (it is never served open)")
+    tokenizer = _tokenizer_files(engine.tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await _maybe_await(engine.start())
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await _maybe_await(engine.stop())
+
+    app = FastAPI(title="parrot-backend engine", version="0.1.0", lifespan=lifespan,
+                  summary="fill / generate / free / stats on one engine (for a manager)")
+    app.state.engine = engine
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        status, name = engine_error_payload(exc)
+        if status == 503:
+            log.warning("engine request failed: %r", exc)
+        return error_response(status, name, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{where or 'body'}: {err.get('msg', 'invalid value')}")
+        return error_response(400, "InvalidRequest", "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else "request failed"
+        return error_response(exc.status_code, "HTTPError", detail)
+
+    @app.get(HEALTH_PATH, include_in_schema=False)
+    async def healthz() -> JSONResponse:
+        error = getattr(engine, "error", None)
+        if error is not None:  # the engine loop died: the process is about to exit
+            return JSONResponse({"status": "failed"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/engine/info", response_model=EngineInfo)
+    async def info() -> EngineInfo:
+        return EngineInfo(
+            model_name=engine.model_name,
+            vocab_size=engine.vocab_size,
+            max_model_len=engine.max_model_len,
+            block_size=engine.pool.block_size,
+            chat_template=getattr(engine, "chat_template", None),
+            special_tokens=dict(getattr(engine, "special_tokens", None) or {}),
+            eos_token_ids=sorted(getattr(engine, "eos_ids", ()) or ()),
+            tokenizer_fingerprint=tokenizer.fingerprint,
+        )
+
+    @app.get("/engine/tokenizer", response_model=TokenizerFiles)
+    async def tokenizer_files() -> TokenizerFiles:
+        return tokenizer
+
+    @app.get("/engine/stats")
+    async def stats() -> dict[str, Any]:
+        return dataclasses.asdict(await engine.stats())
+
+    @app.post("/engine/fill", response_model=FillResponse,
+              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                         409: {"model": ErrorResponse}, 507: {"model": ErrorResponse}})
+    async def fill(body: FillRequest, request: Request) -> FillResponse | JSONResponse:
+        gone, length = await _race_disconnect(request, engine.fill(
+            body.context_id, body.parent_id, body.token_ids, salt=body.salt,
+            priority=body.priority))
+        if gone:  # nobody reads this; the fill was cancelled
+            return error_response(503, "RequestCancelled", "client disconnected")
+        return FillResponse(length=length)
+
+    @app.post("/engine/generate", response_class=ClosingEventSourceResponse,
+              responses={200: {"content": {"text/event-stream": {}}},
+                         400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                         409: {"model": ErrorResponse}, 507: {"model": ErrorResponse}})
+    async def generate(body: GenerateRequest, request: Request):
+        deltas = engine.generate(body.context_id, body.parent_id, body.sampling.params(),
+                                 salt=body.salt, priority=body.priority)
+        # Wait for the first delta before answering, so request errors get a status code.
+        try:
+            gone, first = await _race_disconnect(request, anext(deltas))
+        except StopAsyncIteration:
+            return error_response(503, "EngineError", "generation ended without a token")
+        if gone:
+            return error_response(503, "RequestCancelled", "client disconnected")
+
+        async def events() -> AsyncIterator[bytes]:
+            delta = first
+            try:
+                while True:
+                    yield _frame({"token_id": delta.token_id, "text": delta.text,
+                                  "finish_reason": delta.finish_reason})
+                    if delta.finish_reason is not None:
+                        return
+                    delta = await anext(deltas)
+            except EngineError as exc:
+                _, name = engine_error_payload(exc)
+                yield _frame({"error": {"type": name, "message": str(exc)}}, "error")
+
+        # on_close runs even when the client left before the first frame was sent: closing
+        # the engine's iterator is what cancels the generation.
+        return ClosingEventSourceResponse(events(), on_close=deltas.aclose, ping_s=PING_S,
+                                          send_timeout_s=SEND_TIMEOUT_S)
+
+    @app.post("/engine/free", response_model=OkResponse,
+              responses={404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}})
+    async def free(body: FreeRequest) -> OkResponse:
+        await engine.free(body.context_id)
+        return OkResponse()
+
+    app.add_middleware(EngineKeyMiddleware, api_key=api_key)
+    return app

@@ -29,6 +29,10 @@ from parrot_backend.engine.interface import EngineClient
 from .prefix import Prefix, PrefixEntry, PrefixTable
 
 
+class PrefixUnavailable(RuntimeError):
+    """A prefix a call waited for could not be filled (its filler failed or was cancelled)."""
+
+
 def prefix_context_id(key: str) -> str:
     """The engine context id that holds prefix `key`."""
     return f"pfx:{key}"
@@ -94,8 +98,9 @@ class SharedPrefixes:
         priority: int,
     ) -> Attached:
         """Make the call's shareable `prefixes` (shortest first) available on `engine_id`
-        and return the longest one to fork from. Raises when a prefix fill fails (the call
-        then fails; its references are already released)."""
+        and return the longest one to fork from. Raises when a prefix this call fills
+        fails (the call then fails; its references are already released); a prefix another
+        call was filling and failed is skipped (its tokens are filled with the call's)."""
         out = Attached(None, 0)
         try:
             for prefix in prefixes:
@@ -119,7 +124,13 @@ class SharedPrefixes:
                 else:
                     self.table.acquire(prefix.key, self.clock())
                     out.keys.append(prefix.key)
-                    await asyncio.shield(self._ready[prefix.key])
+                    try:
+                        await asyncio.shield(self._ready[prefix.key])
+                    except PrefixUnavailable:
+                        # its filler failed or was cancelled: this call fills those tokens
+                        out.keys.pop()
+                        await self.release(engine_id, [prefix.key])
+                        continue
                 out.context_id, out.n_tokens = prefix_context_id(prefix.key), prefix.n_tokens
         except BaseException:
             await self.release(engine_id, out.keys)
@@ -149,8 +160,9 @@ class SharedPrefixes:
         except BaseException as exc:
             self._broken.add(prefix.key)
             if not ready.done():
-                ready.set_exception(exc)
-                ready.exception()  # waiters re-raise it; no "never retrieved" warning
+                # not `exc` itself: a CancelledError would look like the waiter's own
+                ready.set_exception(PrefixUnavailable(f"filling prefix failed: {exc!r}"))
+                ready.exception()  # no "never retrieved" warning when nobody waits
             raise
         self.fills[engine_id] += 1
         ready.set_result(None)

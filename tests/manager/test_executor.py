@@ -374,3 +374,26 @@ async def test_making_room_never_evicts_the_prefix_the_call_forks_from() -> None
             )
             await m.get(rid, "y")
         assert len([f for f in engine.fills if f.text == system]) == 1
+
+
+async def test_a_call_waiting_on_a_prefix_whose_filler_was_cancelled_fills_it_itself() -> None:
+    class SlowPrefixFill(ScriptedEngine):
+        async def fill(self, context_id, parent_id, token_ids, **kw):
+            if str(context_id).startswith("pfx:"):
+                await self.prefix_gate.wait()
+            return await super().fill(context_id, parent_id, token_ids, **kw)
+
+    engine = SlowPrefixFill(reply=echo)
+    engine.prefix_gate = asyncio.Event()
+    system = "A system prompt both runs share. "
+    call = {"name": "a", "template": system + "{{input:x}} {{output:y}}"}
+    async with Manager({"e0": engine}) as m:
+        first = await m.create_run(spec(call, inputs={"x": "one"}))
+        second = await m.create_run(spec(call, inputs={"x": "two"}))
+        table = m.sharing.table
+        while not any(table.get(k).refcount == 2 for k in table.held("e0")):
+            await asyncio.sleep(0)  # until both calls use the prefix (one fills, one waits)
+        await m.cancel(first)  # the call filling the shared prefix goes away
+        assert await m.get(second, "y") == "<two>"
+        assert [f.text for f in engine.fills] == [system + "two "]
+        assert len(m.sharing.table) == 0  # the unfilled prefix is forgotten

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -34,6 +36,25 @@ def run_body(*calls: dict, inputs: dict | None = None, outputs: dict | None = No
             "inputs": inputs or {}, "outputs": outputs or {}, **kw}
 
 
+_TEMPLATE: list[Path] = []
+
+
+def migrated_sqlite(tmp_path: Path) -> str:
+    """A fresh, already migrated SQLite database (a copy of one migrated per process:
+    running the migrations for every test would dominate the test time)."""
+    if not _TEMPLATE:
+        path = Path(tempfile.mkdtemp(prefix="parrot-native-")) / "template.db"
+        store = Store(f"sqlite:///{path}")
+        with store.engine.connect() as conn:  # fold the WAL into the file before copying
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        store.close()
+        _TEMPLATE.append(path)
+    target = tmp_path / "parrot.db"
+    if not target.exists():
+        shutil.copy(_TEMPLATE[0], target)
+    return f"sqlite:///{target}"
+
+
 @contextlib.asynccontextmanager
 async def native_app(tmp_path: Path, *, engine: ScriptedEngine | None = None,
                      url: str | None = None, settings: ServerSettings | None = None,
@@ -41,7 +62,7 @@ async def native_app(tmp_path: Path, *, engine: ScriptedEngine | None = None,
     """The app with the native API on a scripted engine, started (the ASGI transport runs
     no lifespan, so the runtime is started here); yields an authenticated client (alice)."""
     engine = engine or ScriptedEngine(reply=echo)
-    store = Store(url or f"sqlite:///{tmp_path / 'parrot.db'}")
+    store = Store(url or migrated_sqlite(tmp_path))
     rt = NativeRuntime(store, {"e0": engine}, worker="test-worker", **runtime_kw)
     settings = settings or ServerSettings(api_keys=dict(KEYS), key_lookup=rt.key_lookup,
                                           sse_ping_s=5)

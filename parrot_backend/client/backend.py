@@ -13,10 +13,12 @@ import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from parrot_backend.engine.interface import EngineClient
 from parrot_backend.program import CallSpec, Criterion, RunSpec
+
+if TYPE_CHECKING:  # the SDK must import without torch (an HTTP client needs no engine)
+    from parrot_backend.engine.interface import EngineClient
 
 T = TypeVar("T")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from parrot_backend.client import InProcessBackend, Session, semantic_function
@@ -161,3 +164,9 @@ def test_template_argument_names_variables_per_call() -> None:
 def test_arguments_must_be_text_or_handles() -> None:
     with Session(), pytest.raises(TypeError, match="str or SemanticVariable"):
         write_code(42)
+
+
+def test_the_sdk_imports_without_torch() -> None:
+    code = "import sys, parrot_backend.client; assert 'torch' not in sys.modules, 'torch loaded'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -279,9 +279,8 @@ class Manager:
         for name in names:
             bad = [v for v in run.program.calls[name].inputs if v in run.failed]
             if bad:
-                await self._fail_calls(
-                    run, {name: f"input {bad[0]!r} failed: {run.failed[bad[0]]}"}
-                )
+                reason = f"input {bad[0]!r} failed: {run.failed[bad[0]]}"
+                await self._fail_calls(run, {name: reason}, ran=False)
         self._ready_calls(run, names)
         return names
 
@@ -414,30 +413,30 @@ class Manager:
         if var is not None:
             self._ready_calls(run, var.consumers)
 
-    async def _fail_calls(self, run: Run, failing: dict[str, str]) -> None:
-        """Fail calls (name -> reason), their unfinished outputs, and everything downstream."""
-        queue = list(failing.items())
+    async def _fail_calls(self, run: Run, failing: dict[str, str], ran: bool = True) -> None:
+        """Fail calls (name -> reason), their unfinished outputs, and everything downstream.
+
+        `ran`: the calls ran and failed (an engine error), rather than never ran because
+        an input failed; downstream calls never ran.
+        """
+        queue = [(name, reason, ran) for name, reason in failing.items()]
         while queue:
-            name, reason = queue.pop(0)
+            name, reason, ran = queue.pop(0)
             status = run.calls[name]
             if status.state in ("finished", "failed", "cancelled"):
                 continue
             self._unqueue(run, name)
             await self._emit(run, "call_failed", {"call": name, "error": reason})
             status.state, status.error = "failed", reason
+            why = f"call {name!r} {'failed' if ran else 'not run'}: {reason}"
             for out in run.program.calls[name].outputs:
                 if out in run.values or out in run.failed:
                     continue
-                why = (
-                    f"call {name!r} failed: {reason}"
-                    if not reason.startswith("input ")
-                    else (f"call {name!r} not run: {reason}")
-                )
                 await self._emit(run, "variable_failed", {"name": out, "error": why})
                 run.failed[out] = why
                 run.resolve(out)
                 for consumer in run.program.variables[out].consumers:
-                    queue.append((consumer, f"input {out!r} failed: {why}"))
+                    queue.append((consumer, f"input {out!r} failed: {why}", False))
         await self._maybe_finish(run)
 
     async def _maybe_finish(self, run: Run) -> None:

@@ -397,3 +397,21 @@ async def test_a_call_waiting_on_a_prefix_whose_filler_was_cancelled_fills_it_it
         assert await m.get(second, "y") == "<two>"
         assert [f.text for f in engine.fills] == [system + "two "]
         assert len(m.sharing.table) == 0  # the unfilled prefix is forgotten
+
+
+async def test_calls_added_after_an_input_failed_fail_without_running() -> None:
+    engine = ScriptedEngine(reply=echo, fail_if=lambda p: "boom" in p)
+    async with Manager({"e0": engine}) as m:
+        rid = await m.create_run(
+            spec(
+                {"name": "a", "template": "Do {{input:x}} {{output:y}}"},
+                inputs={"x": "boom"},
+                open=True,
+            )
+        )
+        with pytest.raises(VariableFailed):
+            await m.get(rid, "y")
+        [late] = await m.add_calls(rid, [CallSpec(name="b", template="{{input:y}} {{output:z}}")])
+        with pytest.raises(VariableFailed, match="call 'b' not run: input 'y' failed"):
+            await m.get(rid, "z")
+        assert len(engine.generations) == 1 and late == "b"

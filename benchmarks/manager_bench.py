@@ -11,7 +11,10 @@ scheduling-decision latency with many concurrent open runs.
 2. Decision latency: open `--open-runs` runs, then add calls to random runs one at a time;
    each call is ready at once. Reported: percentiles of ready -> dispatched (the time a
    ready call waits for its scheduling decision), and of dispatcher round durations; then
-   the same for a burst where every open run gets a call at once.
+   the same for a burst where every open run gets a call at once. In the burst, one
+   coroutine ingests all the calls before the dispatcher gets the loop, so ready ->
+   dispatched there is mostly ingestion time; the rounds (each places up to `max_batch`
+   calls) are the decisions.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parrot_backend.client import InProcessBackend, Session, semantic_function
+from parrot_backend.client import InProcessBackend, Session, semantic_function, set_backend
 from parrot_backend.manager.executor import Manager
 from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import ProgramError
@@ -170,3 +170,17 @@ def test_the_sdk_imports_without_torch() -> None:
     code = "import sys, parrot_backend.client; assert 'torch' not in sys.modules, 'torch loaded'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_default_backend_serves_calls_outside_any_session() -> None:
+    backend = InProcessBackend.threaded(lambda: {"e0": ScriptedEngine(reply=tail)})
+    set_backend(backend)
+    try:
+        code = write_code("a calculator")
+        test = write_test("a calculator", code)
+        assert test.get(perf="throughput").startswith("[")
+        assert code.session is test.session  # both calls went to one default run
+        assert len(backend.manager.runs) == 1
+    finally:
+        set_backend(None)
+        backend.close()

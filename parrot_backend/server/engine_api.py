@@ -52,6 +52,7 @@ from ..engine.errors import (
     OutOfMemory,
     RequestCancelled,
 )
+from ..engine.interface import EngineStats
 from ..engine.sampling import SamplingParams
 from .sse import ClosingEventSourceResponse
 
@@ -307,7 +308,7 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
     async def tokenizer_files() -> TokenizerFiles:
         return tokenizer
 
-    @app.get("/engine/stats")
+    @app.get("/engine/stats", response_model=EngineStats)
     async def stats() -> dict[str, Any]:
         return dataclasses.asdict(await engine.stats())
 
@@ -322,8 +323,9 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
             return error_response(503, "RequestCancelled", "client disconnected")
         return FillResponse(length=length)
 
-    @app.post("/engine/generate", response_class=ClosingEventSourceResponse,
-              responses={200: {"content": {"text/event-stream": {}}},
+    @app.post("/engine/generate", response_model=None,
+              responses={200: {"description": "server-sent events, one TokenDelta each",
+                               "content": {"text/event-stream": {}}},
                          400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                          409: {"model": ErrorResponse}, 507: {"model": ErrorResponse}})
     async def generate(body: GenerateRequest, request: Request):

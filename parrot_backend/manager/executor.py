@@ -42,7 +42,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -527,8 +527,11 @@ class Manager:
         """The pending calls worth offering to the policy this round.
 
         At most `max_batch - batch_size` calls fit on each engine, so when more are pending
-        only that many are offered: aged calls, then latency calls, then the oldest, plus
-        the other pending members of their task groups (gangs stay whole). Without this,
+        only that many are offered: aged calls, then latency calls, then throughput calls;
+        within each kind every run first gets an equal share of the slots (a run with a
+        thousand ready calls does not hold back one with a single call), then the oldest
+        fill the rest; plus the other pending members of their task groups (gangs stay
+        whole). Without this,
         a backlog makes every round cost as much as the whole backlog. `_pending` is in
         enqueue order, so the oldest come first.
         """
@@ -540,12 +543,20 @@ class Manager:
             if r.enqueued_at >= old or len(chosen) >= slots:
                 break
             chosen[r.call_id] = r
+        # fairness: each run first gets an equal share of the slots, then the oldest fill up
+        share = max(1, slots // len({r.run.run_id for r in self._pending.values()}))
+        taken = Counter(r.run.run_id for r in chosen.values())
         for want_latency in (True, False):
-            for r in self._pending.values():
-                if len(chosen) >= slots:
-                    break
-                if (r.objective == "latency") == want_latency:
-                    chosen.setdefault(r.call_id, r)
+            for fair in (True, False):
+                for r in self._pending.values():
+                    if len(chosen) >= slots:
+                        break
+                    if (r.objective == "latency") != want_latency or r.call_id in chosen:
+                        continue
+                    if fair and taken[r.run.run_id] >= share:
+                        continue
+                    chosen[r.call_id] = r
+                    taken[r.run.run_id] += 1
         groups = {(r.run.run_id, r.group) for r in chosen.values() if r.group is not None}
         if groups:
             for r in self._pending.values():

@@ -89,3 +89,25 @@ async def test_a_listener_that_cannot_record_the_end_fails_the_call() -> None:
         assert ends == [{"status": "failed"}]  # the run ends instead of hanging
         status = m.run_status(rid).calls["c"]
         assert status.state == "failed" and "store down" in status.error
+
+
+async def test_a_small_run_is_not_held_back_by_a_big_backlog() -> None:
+    from parrot_backend.manager.executor import ManagerConfig
+    from parrot_backend.manager.policy import PolicyConfig
+
+    gate = asyncio.Event()
+    engine = ScriptedEngine(gate=gate)
+    config = ManagerConfig(policy=PolicyConfig(latency_capacity=2, max_batch=2))
+    big = RunSpec.model_validate(
+        {"program": {"calls": [{"template": f"job {i} {{{{output:o{i}}}}}"} for i in range(10)]}}
+    )
+    async with Manager({"e0": engine}, config=config) as m:
+        big_id = await m.create_run(big)
+        small_id = await m.create_run(one_call("small {{output:a}}"))
+        while len(engine.generating) < 2:
+            await asyncio.sleep(0)
+        # one of the only two slots went to the small run, not both to the big backlog
+        assert m.run_status(small_id).calls["c"].state == "running"
+        gate.set()
+        assert await m.get(small_id, "a") == "ok"
+        assert await m.get(big_id, "o9") == "ok"

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from .block_pool import chain_hash, root_hash
 from .detokenizer import Detokenizer
-from .sampling import Sampler, SamplingParams
+from .sampler import Sampler
+from .sampling import SamplingParams
 
 
 class Context:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +20,8 @@ from .interface import EngineStats, TokenDelta
 from .model_files import DEFAULT_MODEL, resolve_model
 from .models.loader import load_config, load_model
 from .runner import ModelRunner
-from .sampling import Sampler, SamplingParams
+from .sampler import Sampler
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,9 @@
-"""Sampling parameters and the per-request sampler."""
+"""Sampling parameters (torch-free: a manager-only node imports this without torch)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
 
 from .errors import InvalidRequest
 
@@ -67,36 +65,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-class Sampler:
-    """Picks the next token for one request; owns that request's random generator."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator()
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        """Sample from a 1-D logits row (any float dtype)."""
-        p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits).item())
-        logits = logits.float() / p.temperature
-        if p.top_k and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            # keep the smallest set whose mass reaches top_p (always at least one token)
-            drop = cumulative - sorted_probs >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())

@@ -243,3 +243,12 @@ def test_cancelling_a_generation_frees_everything(engine):
     assert during.running == 0 and during.waiting == 0
     assert during.tokens_generated < 10
     assert after.blocks_used == base
+
+
+def test_engine_contract_and_manager_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import parrot_backend.engine.interface, parrot_backend.manager.executor;"
+            " assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

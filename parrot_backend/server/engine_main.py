@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -199,10 +200,15 @@ def run_engine(args: argparse.Namespace) -> int:
             if args.manager:  # tell the manager now rather than after missed heartbeats
                 await _deregister(args, engine_id)
 
+    def stop(signum, frame) -> None:
+        # uvicorn handles these while it serves and re-raises them once it has shut down;
+        # landing here then (or before it started) means "stop cleanly": exit status 0.
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     try:
         asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
     finally:
         sock.close()
     if failures:

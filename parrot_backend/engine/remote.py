@@ -298,7 +298,7 @@ class RemoteEngine:
                 if response.status_code != 200:
                     await response.aread()
                     raise error_from_response(response.status_code, _json_or_none(response))
-                async for event, data in _sse_events(response.aiter_lines()):
+                async for event, data in _sse_events(response.aiter_bytes()):
                     if event == "error":
                         raise error_from_response(200, _loads(data))
                     payload = _loads(data)
@@ -370,22 +370,30 @@ def _loads(data: str) -> Any:
         raise EngineUnavailable(f"engine sent a malformed event: {data[:200]!r}") from exc
 
 
-async def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
-    """(event name, data) per server-sent event; comment lines (pings) are skipped."""
+async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, str]]:
+    """(event name, data) per server-sent event; comment lines (pings) are skipped.
+
+    Lines end at LF (CRLF tolerated) only: httpx's `aiter_lines` also splits at U+2028,
+    U+0085 and friends, which may appear raw inside a JSON string of generated text."""
+    buffer = b""
     event, data = "message", []
-    async for line in lines:
-        if not line:
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif line.startswith(":"):
-            continue
-        else:
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "event":
-                event = value
-            elif name == "data":
-                data.append(value)
+    async for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            line = raw.removesuffix(b"\r").decode("utf-8", "replace")
+            if not line:
+                if data:
+                    yield event, "\n".join(data)
+                event, data = "message", []
+            elif line.startswith(":"):
+                continue
+            else:
+                name, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                if name == "event":
+                    event = value
+                elif name == "data":
+                    data.append(value)
     if data:
         yield event, "\n".join(data)

@@ -219,7 +219,8 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, 
 
 
 def _frame(payload: dict[str, Any], event: str | None = None) -> bytes:
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    # ASCII-only JSON: no raw U+2028, U+0085... that line splitters treat as line ends
+    text = json.dumps(payload, ensure_ascii=True, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
     return (head + "data: " + text + "\n\n").encode("utf-8")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ from parrot_backend.engine.remote import EngineUnavailable, RemoteEngine, error_
 from parrot_backend.engine.sampling import SamplingParams
 from parrot_backend.server.engine_api import create_engine_app
 from parrot_backend.server.engine_main import add_engine_parser
+from parrot_backend.server.engine_main import main as engine_main
 
 ENGINE_KEY = "sk-engine-test"
 NUM_BLOCKS = 256
@@ -374,25 +376,71 @@ def test_engine_subcommand_parser():
     assert args.func.__name__ == "run_engine"
 
 
-def test_engine_process_refuses_to_run_open(tiny_model_dir):
-    env = {k: v for k, v in os.environ.items() if k != "PARROT_ENGINE_API_KEY"}
-    done = subprocess.run([sys.executable, "-m", "parrot_backend.server.engine_main",
-                           "--model", str(tiny_model_dir), "--port", "0"],
-                          env=env, capture_output=True, text=True, timeout=STARTUP_S)
-    assert done.returncode == 2 and "needs a key" in done.stderr
+def test_engine_process_refuses_to_run_open(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.delenv("PARROT_ENGINE_API_KEY", raising=False)
+    monkeypatch.delenv("PARROT_MANAGER_KEY", raising=False)
+    argv = ["--model", str(tiny_model_dir), "--port", "0"]
+    assert engine_main(argv) == 2  # before loading anything
+    assert "needs a key" in capsys.readouterr().err
+    assert engine_main([*argv, "--api-key", "k", "--manager", "http://127.0.0.1:9"]) == 2
+    assert "--manager-key" in capsys.readouterr().err
 
 
-def test_engine_process_exits_nonzero_when_its_engine_dies(tiny_model_dir, tmp_path):
+async def test_engine_process_exits_nonzero_when_its_engine_dies(tiny_model_dir, tmp_path):
     proc = EngineProcess(tiny_model_dir, tmp_path, env={"PARROT_FAULT_ENGINE_STEP": "3"})
     try:
-        url = proc.wait_url()
-        headers = {"Authorization": f"Bearer {ENGINE_KEY}"}
-        with httpx.Client(base_url=url, headers=headers, timeout=20, trust_env=False) as c:
-            c.post("/engine/fill", json={"context_id": "a", "token_ids": [1, 2, 3]})
-            r = c.post("/engine/generate", json={"context_id": "a",
-                                                 "sampling": {"max_tokens": 50}})
-            assert r.status_code == 503 or "event: error" in r.text
-        assert proc.proc.wait(STARTUP_S) == 1
+        engine = await RemoteEngine.connect(proc.wait_url(), api_key=ENGINE_KEY)
+        await engine.fill("a", None, [1, 2, 3])
+        # the loop dies at its 4th step: mid-stream or before the first token, the caller
+        # sees the engine as unavailable
+        with pytest.raises(EngineUnavailable):
+            async with asyncio.timeout(STARTUP_S):
+                async for _ in engine.generate("a", None, SamplingParams(max_tokens=50,
+                                                                         ignore_eos=True)):
+                    pass
+        await engine.aclose()
+        assert await asyncio.to_thread(proc.proc.wait, STARTUP_S) == 1
         assert "engine failed" in proc.stderr()
     finally:
         proc.kill()
+
+
+async def test_sse_parser_splits_only_at_line_feeds():
+    from parrot_backend.engine.remote import _sse_events
+    from parrot_backend.server.engine_api import _frame
+
+    text = "a\u2028b\x85c\u2029d\r\ne"
+    frames = [_frame({"token_id": 1, "text": text, "finish_reason": None}),
+              b": ping\n\n",
+              b'data: {"token_id":2,"text":"\xe2\x80\xa8raw","finish_reason":"stop"}\r\n\r\n',
+              _frame({"error": {"type": "ContextBusy", "message": "m"}}, "error")]
+    assert frames[0].isascii()
+    blob = b"".join(frames)
+
+    async def chunks():  # split everywhere, even inside multi-byte characters
+        for i in range(0, len(blob), 3):
+            yield blob[i:i + 3]
+
+    events = [(name, json.loads(data)) async for name, data in _sse_events(chunks())]
+    assert events == [("message", {"token_id": 1, "text": text, "finish_reason": None}),
+                      ("message", {"token_id": 2, "text": "\u2028raw", "finish_reason": "stop"}),
+                      ("error", {"error": {"type": "ContextBusy", "message": "m"}})]
+
+
+async def test_closing_the_client_ends_streams_in_progress(engine_url):
+    engine = await RemoteEngine.connect(engine_url, api_key=ENGINE_KEY)
+    cid = _ids("close")[0]
+    await engine.fill(cid, None, engine.tokenize("again and again"))
+    stream = engine.generate(cid, None, SamplingParams(max_tokens=400, ignore_eos=True))
+    await anext(stream)
+    await engine.aclose()
+    with pytest.raises(EngineUnavailable):
+        async with asyncio.timeout(30):
+            async for _ in stream:
+                pass
+    with pytest.raises(EngineUnavailable, match="closed"):
+        await engine.fill(cid, None, [1])
+    other = await RemoteEngine.connect(engine_url, api_key=ENGINE_KEY)
+    await _wait_idle(other)
+    await other.free(cid)
+    await other.aclose()

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import resource
+import statistics
 import time
 
 import torch
@@ -87,20 +88,28 @@ def hf_run(model, batch: list[list[int]], max_tokens: int):
     return ttft, total, (out.shape[1] - ids.shape[1]) * len(batch)
 
 
-def bench_throughput(engine, model, max_tokens: int, prompt_len: int) -> list[dict]:
+def bench_throughput(engine, model, max_tokens: int, prompt_len: int, reps: int) -> list[dict]:
+    """Engine and transformers alternate `reps` times; medians resist a noisy machine."""
     rows = []
     for bsz in (1, 8):
         batch = prompts(engine, bsz, prompt_len)
-        # our engine (warm-up first so both sides run with warmed kernels)
         asyncio.run(_with(engine, engine_run, batch[:1], 2, "warm"))
-        ttft, total, n = asyncio.run(_with(engine, engine_run, batch, max_tokens, f"b{bsz}-"))
         hf_run(model, batch[:1], 2)
-        hf_ttft, hf_total, hf_n = hf_run(model, batch, max_tokens)
+        ours, theirs = [], []
+        for rep in range(reps):
+            ttft, total, n = asyncio.run(_with(engine, engine_run, batch, max_tokens,
+                                               f"b{bsz}-{rep}-"))
+            ours.append((n / total, sum(ttft) / len(ttft)))
+            hf_ttft, hf_total, hf_n = hf_run(model, batch, max_tokens)
+            theirs.append((hf_n / hf_total, hf_ttft))
+        tok_s = statistics.median(o[0] for o in ours)
+        hf_tok_s = statistics.median(t[0] for t in theirs)
+        hf_ttfts = [t[1] for t in theirs if t[1] is not None]
         rows.append({
-            "batch": bsz, "prompt_tokens": prompt_len, "new_tokens": max_tokens,
-            "engine_tok_s": n / total, "hf_tok_s": hf_n / hf_total,
-            "speedup": (n / total) / (hf_n / hf_total),
-            "engine_ttft_s": sum(ttft) / len(ttft), "hf_ttft_s": hf_ttft,
+            "batch": bsz, "prompt_tokens": prompt_len, "new_tokens": max_tokens, "reps": reps,
+            "engine_tok_s": tok_s, "hf_tok_s": hf_tok_s, "speedup": tok_s / hf_tok_s,
+            "engine_ttft_s": statistics.median(o[1] for o in ours),
+            "hf_ttft_s": statistics.median(hf_ttfts) if hf_ttfts else None,
         })
     return rows
 
@@ -214,7 +223,7 @@ def main() -> None:
     model.eval()
     out = {
         "dtype": args.dtype,
-        "throughput": bench_throughput(engine, model, new, 64),
+        "throughput": bench_throughput(engine, model, new, 64, 1 if args.quick else 3),
         "shared_prefix": bench_shared_prefix(path, 512, 8, 16, 4 if args.quick else 16),
         "memory": bench_memory(path, 512, 8, 16),
     }

@@ -32,3 +32,8 @@ class UnsupportedModel(EngineError, ValueError):
 
 class RequestCancelled(EngineError):
     """The request was cancelled before it finished."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot be reached (a remote engine died or its connection broke): the
+    manager takes it out of service and dispatches its calls elsewhere."""

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from parrot_backend.engine.errors import EngineUnavailable
 from parrot_backend.engine.interface import EngineClient, EngineStats, TokenDelta
 from parrot_backend.program import (
     CallSpec,
@@ -190,6 +191,49 @@ class Manager:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    # ------------------------------------------------------------------ engines
+    def add_engine(self, engine_id: str, engine: EngineClient) -> None:
+        """Put an engine in service (a remote engine that registered)."""
+        if engine.model_name != self.model:
+            raise ValueError(
+                f"engine {engine_id!r} serves {engine.model_name!r}; "
+                f"this manager serves {self.model!r}"
+            )
+        if engine_id in self.engines:
+            raise ValueError(f"engine {engine_id!r} is already in service")
+        self.engines[engine_id] = engine
+        self._load[engine_id] = _Load()
+        self._priority_kw[engine_id] = _takes_priority(engine)
+        self._wake.set()
+
+    async def remove_engine(self, engine_id: str) -> list[str]:
+        """Take an engine out of service (it died or left): its prefixes are forgotten and
+        the calls running on it are dispatched again elsewhere. Execution is at least once:
+        a re-dispatched call emits `call_started` and its tokens again, but each variable
+        is set once, and outputs it already produced are kept. Returns the calls moved."""
+        if self.engines.pop(engine_id, None) is None:
+            return []
+        self._capacity.pop(engine_id, None)
+        self.sharing.table.drop_engine(engine_id)
+        moved = [
+            (run, name, task)
+            for run in self.runs.values()
+            for name, task in list(run.tasks.items())
+            if run.calls[name].engine == engine_id
+        ]
+        for _, _, task in moved:
+            task.cancel()
+        await asyncio.gather(*(t for _, _, t in moved), return_exceptions=True)
+        for run, name, _ in moved:
+            self._requeue(run, name)
+        return [f"{run.run_id}/{name}" for run, name, _ in moved]
+
+    def _requeue(self, run: Run, name: str) -> None:
+        status = run.calls[name]
+        if status.state == "running" and run.state == "running":
+            status.state, status.engine = "waiting", None
+            self._ready_calls(run, [name])
 
     # ------------------------------------------------------------------ public API
     async def create_run(
@@ -618,7 +662,8 @@ class Manager:
             load.batch -= 1
             load.tokens -= r.plan.n_tokens
             load.latency -= counted_latency
-            r.run.tasks.pop(r.name, None)
+            if r.run.tasks.get(r.name) is task:  # a re-dispatched call has a new task
+                del r.run.tasks[r.name]
             if self._pending:
                 self._wake.set()
 
@@ -678,6 +723,14 @@ class Manager:
         except asyncio.CancelledError:
             await self._cleanup(runner, engine_id, keys)
             raise
+        except EngineUnavailable:
+            # the engine is gone, not the call's fault: retire it and run the call elsewhere
+            await self._cleanup(runner, engine_id, keys)
+            log.warning("engine %s unavailable; dispatching its calls elsewhere", engine_id)
+            run.tasks.pop(name, None)  # this task ends here: not one for remove_engine to cancel
+            await self.remove_engine(engine_id)
+            self._requeue(run, name)
+            return
         except Exception as exc:  # an engine error fails this call only
             error = f"{type(exc).__name__}: {exc}"
         await self._cleanup(runner, engine_id, keys)
@@ -696,8 +749,11 @@ class Manager:
             run.calls[name].state, run.calls[name].error = "failed", error
 
     async def _cleanup(self, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
-        await runner.free()
-        await self.sharing.release(engine_id, keys)
+        try:
+            await runner.free()
+            await self.sharing.release(engine_id, keys)
+        except EngineUnavailable:  # a dead engine holds nothing any more
+            log.info("engine %s unavailable during cleanup", engine_id)
 
     # ------------------------------------------------------------------ helpers
     def _unqueue(self, run: Run, name: str) -> None:

@@ -1,0 +1,104 @@
+"""An engine that dies mid-run is retired and its calls run elsewhere, losing no run."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from parrot_backend.engine.errors import EngineUnavailable
+from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.scripted import ScriptedEngine
+from parrot_backend.program import RunSpec
+
+
+@dataclass
+class DyingEngine(ScriptedEngine):
+    """Works until `dead` is set; then every operation fails as a vanished remote would."""
+
+    dead: bool = False
+
+    def _check(self) -> None:
+        if self.dead:
+            raise EngineUnavailable("connection refused")
+
+    async def fill(self, *args, **kwargs):
+        self._check()
+        return await super().fill(*args, **kwargs)
+
+    async def generate(self, *args, **kwargs):
+        self._check()
+        async for delta in super().generate(*args, **kwargs):
+            self._check()
+            yield delta
+
+    async def free(self, context_id):
+        self._check()
+        return await super().free(context_id)
+
+    async def stats(self):
+        self._check()
+        return await super().stats()
+
+
+def fan_out() -> RunSpec:
+    calls = [
+        {"name": f"w{i}", "template": f"Worker {i} on {{{{input:task}}}}: {{{{output:r{i}}}}}"}
+        for i in range(4)
+    ]
+    calls.append(
+        {
+            "name": "sum",
+            "template": "Sum "
+            + " ".join(f"{{{{input:r{i}}}}}" for i in range(4))
+            + " => {{output:total}}",
+        }
+    )
+    return RunSpec.model_validate(
+        {"program": {"calls": calls}, "inputs": {"task": "x"}, "outputs": {"total": "latency"}}
+    )
+
+
+def reply(prompt: str) -> str:
+    return f"<{len(prompt)}>"
+
+
+async def test_calls_on_a_dead_engine_are_dispatched_elsewhere() -> None:
+    async with Manager({"solo": ScriptedEngine(reply=reply)}) as m:
+        rid = await m.create_run(fan_out())
+        expected = await m.get(rid, "total")
+
+    gate = asyncio.Event()
+    doomed = DyingEngine(reply=reply, gate=gate)
+    healthy = ScriptedEngine(reply=reply, gate=gate)
+    async with Manager({"doomed": doomed, "healthy": healthy}) as m:
+        rid = await m.create_run(fan_out())
+        for _ in range(200):  # until both engines run workers
+            await asyncio.sleep(0.01)
+            engines = {c.engine for c in m.run_status(rid).calls.values() if c.engine}
+            if engines == {"doomed", "healthy"}:
+                break
+        assert engines == {"doomed", "healthy"}
+        doomed.dead = True
+        gate.set()
+        total = await asyncio.wait_for(m.get(rid, "total"), 10)
+        status = m.run_status(rid)
+    assert total == expected
+    assert "doomed" not in m.engines
+    assert status.state == "finished"
+    assert all(c.engine == "healthy" for c in status.calls.values())
+
+
+async def test_an_added_engine_takes_work_and_a_foreign_model_is_refused() -> None:
+    import pytest
+
+    m = Manager({"a": ScriptedEngine(reply=reply)})
+    async with m:
+        m.add_engine("b", ScriptedEngine(reply=reply))
+        assert set(m.engines) == {"a", "b"}
+        with pytest.raises(ValueError, match="serves"):
+            m.add_engine("c", ScriptedEngine(model_name="other"))
+        moved = await m.remove_engine("a")
+        rid = await m.create_run(fan_out())
+        await asyncio.wait_for(m.get(rid, "total"), 10)
+        assert moved == []
+        assert {c.engine for c in m.run_status(rid).calls.values()} == {"b"}

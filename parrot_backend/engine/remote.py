@@ -319,6 +319,12 @@ class RemoteEngine:
         await self._post("/engine/free", {"context_id": context_id},
                          timeout=self.control_timeout_s)
 
+    async def reset(self) -> int:
+        """Free every idle context on the engine (what a manager does when it takes the
+        engine over: contexts it does not know are orphans). Returns how many it freed."""
+        data = await self._post("/engine/reset", {}, timeout=self.control_timeout_s)
+        return int(data["freed"])
+
     async def stats(self) -> EngineStats:
         self._check_open()
         data = await self._get_json(self._client, "/engine/stats", self.control_timeout_s)

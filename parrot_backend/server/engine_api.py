@@ -124,6 +124,11 @@ class OkResponse(BaseModel):
     ok: bool = True
 
 
+class ResetResponse(BaseModel):
+    freed: int = Field(description="contexts released")
+    left: int = Field(description="contexts still busy (a request in flight), kept")
+
+
 class EngineInfo(BaseModel):
     """What a client needs to know about the engine before it sends anything."""
 
@@ -363,6 +368,24 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
     async def free(body: FreeRequest) -> OkResponse:
         await engine.free(body.context_id)
         return OkResponse()
+
+    @app.post("/engine/reset", response_model=ResetResponse)
+    async def reset() -> ResetResponse:
+        """Free every idle context. A manager that (re-)registers this engine knows none of
+        its contexts: whatever a previous manager left (its kept prefixes) is orphaned KV,
+        and its deterministic prefix ids would otherwise be appended to, not created."""
+        freed = 0
+        progress = True
+        while progress:  # children before parents: a parent frees once its children went
+            progress = False
+            for cid in list(engine.contexts):
+                try:
+                    await engine.free(cid)
+                except (ContextBusy, ContextNotFound):
+                    continue
+                freed += 1
+                progress = True
+        return ResetResponse(freed=freed, left=len(engine.contexts))
 
     app.add_middleware(EngineKeyMiddleware, api_key=api_key)
     return app

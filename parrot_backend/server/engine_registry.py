@@ -10,7 +10,8 @@ contexts are gone) is dropped: `on_removed(id)` is called, then its client is cl
 Callbacks may be plain functions or coroutines.
 
 Both routes need the **operator key** as `Authorization: Bearer <key>`; tenant keys are
-refused. Wiring into the server app (which checks tenant keys in its middleware first):
+refused. A registering engine is reset (its idle contexts freed) before `on_added`.
+Wiring into the server app (which checks tenant keys in its middleware first):
 
     registry = EngineRegistry(operator_key=op_key, model_name=manager.model,
                               on_added=..., on_removed=...)
@@ -110,9 +111,14 @@ class EngineRegistry:
         on_removed: OnRemoved | None = None,
         connect: Connector = RemoteEngine.connect,
         clock: Callable[[], float] = time.monotonic,
+        reset_on_register: bool = True,
     ) -> None:
         """`model_name`: refuse engines serving another model (one manager, one model).
-        `connect(url, api_key=...)` builds the client (tests may swap it)."""
+        `connect(url, api_key=...)` builds the client (tests may swap it).
+        `reset_on_register`: free every idle context of a (re-)registering engine: the
+        manager knows none of them (it restarted, or expired the engine and failed its
+        calls over), so they are orphans, and the manager's content-derived prefix ids
+        would append to them instead of creating fresh contexts."""
         if not operator_key or not operator_key.strip():
             raise ValueError("the engine registry needs an operator key")
         if heartbeat_interval_s <= 0 or max_missed < 1:
@@ -125,6 +131,7 @@ class EngineRegistry:
         self.on_removed = on_removed
         self._connect = connect
         self._clock = clock
+        self.reset_on_register = reset_on_register
         self._engines: dict[str, _Engine] = {}
         self._lock = asyncio.Lock()  # one registration/removal at a time keeps callbacks ordered
         self._task: asyncio.Task[None] | None = None
@@ -172,6 +179,15 @@ class EngineRegistry:
             await client.aclose()
             raise HTTPException(400, f"the engine at {req.url} serves {client.model_name!r}, "
                                      f"not {req.model_name!r} as registered")
+        if self.reset_on_register:
+            try:
+                freed = await client.reset()
+            except EngineError as exc:
+                await client.aclose()
+                raise HTTPException(400, f"cannot reset the engine at {req.url}: {exc}") from exc
+            if freed:
+                log.info("engine %s: freed %d contexts left by a previous manager",
+                         req.engine_id, freed)
         async with self._lock:
             if req.engine_id in self._engines:
                 log.info("engine %s registered again (restarted); replacing it", req.engine_id)

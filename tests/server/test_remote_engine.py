@@ -444,3 +444,78 @@ async def test_closing_the_client_ends_streams_in_progress(engine_url):
     await _wait_idle(other)
     await other.free(cid)
     await other.aclose()
+
+
+def _map_reduce_spec():
+    from parrot_backend.program import RunSpec
+
+    gen = {"max_tokens": 5}
+    calls = [{"name": f"map{i}", "outputs": {f"s{i}": gen},
+              "template": f"Summarize: {{{{input:chunk{i}}}}} Summary: {{{{output:s{i}}}}}"}
+             for i in range(4)]
+    calls.append({"name": "reduce", "outputs": {"total": gen}, "template":
+                  "Summaries: {{input:s0}} | {{input:s1}} | {{input:s2}} | {{input:s3}} "
+                  "All: {{output:total}}"})
+    return RunSpec.model_validate({
+        "program": {"calls": calls},
+        "inputs": {f"chunk{i}": f"text of part {i} about parrots" for i in range(4)},
+        "outputs": {"total": "latency"},
+    })
+
+
+async def _run_managed(engines: dict) -> dict[str, str]:
+    from parrot_backend.manager.executor import Manager
+
+    job = _map_reduce_spec()
+    async with Manager(engines) as manager:
+        rid = await manager.create_run(job)
+        await manager.get(rid, "total")
+        async for _ in manager.subscribe(rid):
+            pass  # until the run ends
+        status = manager.run_status(rid)
+        assert status.state == "finished"
+        return dict(status.values)
+
+
+async def test_manager_runs_programs_on_remote_engines(remote, tiny_model_dir):
+    """The manager drives a RemoteEngine exactly as an in-process one, alone or mixed."""
+
+    def fresh() -> Engine:
+        return Engine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32",
+                                      num_blocks=NUM_BLOCKS, progress=False)
+
+    async with fresh() as local:
+        want = await _run_managed({"local": local})
+    before = await remote.stats()
+    await remote.reset()  # what the registry does when an engine (re-)registers
+    assert await _run_managed({"remote": remote}) == want
+    # a manager keeps its static prefixes on the engine; the next manager must start from
+    # a reset engine, or its content-derived prefix ids would append to the old contexts
+    assert (await remote.stats()).contexts > 0
+    assert await remote.reset() > 0
+    assert (await remote.stats()).contexts == 0
+    async with fresh() as local:
+        assert await _run_managed({"remote": remote, "local": local}) == want
+    after = await remote.stats()
+    assert after.tokens_generated > before.tokens_generated  # the remote engine did work
+    assert after.running == after.waiting == 0
+    await remote.reset()
+
+
+async def test_reset_frees_idle_contexts_children_first(remote):
+    root, child, grandchild, busy = _ids("reset")
+    await remote.reset()
+    await remote.fill(root, None, [1, 2, 3])
+    await remote.fill(child, root, [4])
+    await remote.fill(grandchild, child, [5])
+    await remote.fill(busy, None, remote.tokenize("keep generating"))
+    stream = remote.generate(busy, None, SamplingParams(max_tokens=400, ignore_eos=True))
+    await anext(stream)  # `busy` has a request in flight: reset must leave it alone
+    assert await remote.reset() == 3
+    assert (await remote.stats()).contexts == 1
+    await stream.aclose()
+    await _wait_idle(remote)
+    assert await remote.reset() == 1
+    assert (await remote.stats()).contexts == 0
+    with pytest.raises(ContextNotFound):
+        await remote.free(root)

@@ -160,6 +160,11 @@ class FakeClient:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.closed = False
+        self.resets = 0
+
+    async def reset(self) -> int:
+        self.resets += 1
+        return 0
 
     async def aclose(self) -> None:
         self.closed = True
@@ -195,6 +200,7 @@ async def test_expiry_and_reregistration_on_a_fake_clock():
                       ("added", "b")]
     await registry.stop()
     assert made[2].closed and registry.engines == {}
+    assert [c.resets for c in made] == [1, 1, 1]  # every registration starts from a reset
     assert events[-1] == ("added", "b")  # stop() does not report removals
     # a failing on_added refuses the registration and closes the client
     registry.on_added = lambda eid, c: 1 / 0

@@ -519,3 +519,60 @@ async def test_reset_frees_idle_contexts_children_first(remote):
     assert (await remote.stats()).contexts == 0
     with pytest.raises(ContextNotFound):
         await remote.free(root)
+
+
+class StuckEngine:
+    """An engine whose fill and first token never come: only a cancel ends them. Records
+    what started and what was cancelled (from uvicorn's thread; read by the test)."""
+
+    model_name, vocab_size, max_model_len, contexts = "stuck", 100, 64, {}
+    pool = type("Pool", (), {"block_size": 16})()
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.started: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def _block(self, what: str) -> None:
+        self.started.append(what)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(what)
+            raise
+
+    async def fill(self, context_id, parent_id, token_ids, *, salt=None, priority=0) -> int:
+        await self._block(f"fill:{context_id}")
+        return 0
+
+    async def generate(self, context_id, parent_id, sampling, *, salt=None, priority=0):
+        await self._block(f"generate:{context_id}")
+        yield  # pragma: no cover - never reached
+
+    async def stats(self):  # pragma: no cover - unused
+        raise NotImplementedError
+
+
+async def test_cancelled_calls_cancel_the_engine_request_before_any_answer(local):
+    from .conftest import LiveServer
+
+    stuck = StuckEngine(local.tokenizer)
+    with LiveServer(create_engine_app(stuck, api_key=ENGINE_KEY)) as server:
+        engine = await RemoteEngine.connect(server.url, api_key=ENGINE_KEY)
+        try:
+            for what, call in [("fill:a", lambda: engine.fill("a", None, [1])),
+                               ("generate:b", lambda: _tokens(engine, "b", None,
+                                                              SamplingParams()))]:
+                task = asyncio.create_task(call())
+                async with asyncio.timeout(30):
+                    while what not in stuck.started:
+                        await asyncio.sleep(0.01)
+                task.cancel()  # the manager gave up on this call: the HTTP request goes
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                async with asyncio.timeout(30):
+                    while what not in stuck.cancelled:
+                        await asyncio.sleep(0.01)
+        finally:
+            await engine.aclose()
+    assert stuck.cancelled == ["fill:a", "generate:b"]

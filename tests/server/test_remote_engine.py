@@ -576,3 +576,24 @@ async def test_cancelled_calls_cancel_the_engine_request_before_any_answer(local
         finally:
             await engine.aclose()
     assert stuck.cancelled == ["fill:a", "generate:b"]
+
+
+async def test_openai_api_serves_from_a_remote_engine(remote, local):
+    """The request-level server runs unchanged on a RemoteEngine (model name, context
+    length, chat template and tokenizer all come from the engine)."""
+    from parrot_backend.server import ServerSettings, create_app
+
+    replies, before = [], await remote.stats()
+    for engine in (remote, local):
+        app = create_app(engine, settings=ServerSettings(api_keys={"sk-t": "t"}))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60,
+                                     headers={"Authorization": "Bearer sk-t"}) as client:
+            r = await client.post("/v1/chat/completions", json={
+                "model": engine.model_name, "max_tokens": 8, "temperature": 0, "n": 2,
+                "messages": [{"role": "user", "content": "Say something"}]})
+            assert r.status_code == 200, r.text
+            replies.append([(c["message"]["content"], c["finish_reason"])
+                            for c in r.json()["choices"]])
+    assert replies[0] == replies[1]
+    assert (await remote.stats()).contexts == before.contexts  # the server freed its own

@@ -26,6 +26,7 @@ when done (or `async with`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -73,6 +74,7 @@ _BY_STATUS: dict[int, type[EngineError]] = {
 }
 
 _STAT_FIELDS = frozenset(f.name for f in fields(EngineStats))
+_INFO_FIELDS = frozenset({"model_name", "vocab_size", "max_model_len", "block_size"})
 _TOKENIZERS: dict[str, Any] = {}  # fingerprint -> loaded tokenizer, shared by engines
 _TOKENIZERS_LOCK = threading.Lock()
 
@@ -183,19 +185,21 @@ class RemoteEngine:
         client = cls.make_client(base_url, api_key)
         try:
             info = await cls._get_json(client, "/engine/info", control_timeout_s)
+            missing = _INFO_FIELDS - set(info) if isinstance(info, dict) else _INFO_FIELDS
+            if missing:
+                raise EngineUnavailable(f"{base_url}/engine/info lacks {sorted(missing)}")
+            # loading takes a while: keep the caller's event loop (the manager's) serving
             if tokenizer is None:
                 tokenizer = await cls._fetch_tokenizer(client, info, control_timeout_s)
             elif isinstance(tokenizer, (str, os.PathLike)):
-                tokenizer = _local_tokenizer(tokenizer)
-            return cls(base_url, api_key=api_key, info=info, tokenizer=tokenizer,
-                       client=client, control_timeout_s=control_timeout_s)._own()
+                tokenizer = await asyncio.to_thread(_local_tokenizer, tokenizer)
+            engine = cls(base_url, api_key=api_key, info=info, tokenizer=tokenizer,
+                         client=client, control_timeout_s=control_timeout_s)
         except BaseException:
             await client.aclose()
             raise
-
-    def _own(self) -> RemoteEngine:
-        self._owns_client = True
-        return self
+        engine._owns_client = True  # made here, so closed with the engine
+        return engine
 
     @classmethod
     async def _get_json(cls, client: httpx.AsyncClient, path: str, timeout: float) -> Any:
@@ -220,7 +224,7 @@ class RemoteEngine:
             if fingerprint in _TOKENIZERS:
                 return _TOKENIZERS[fingerprint]
         payload = await cls._get_json(client, "/engine/tokenizer", timeout)
-        tokenizer = _load_tokenizer(payload["files"])
+        tokenizer = await asyncio.to_thread(_load_tokenizer, payload["files"])
         with _TOKENIZERS_LOCK:
             return _TOKENIZERS.setdefault(payload["fingerprint"], tokenizer)
 

@@ -133,7 +133,7 @@ async def _script(engine: EngineClient, ids: tuple[str, ...]) -> dict:
     return out
 
 
-async def test_remote_matches_in_process_engine(remote, local):
+async def test_remote_matches_in_process_engine(remote, local, tiny_model_dir):
     assert isinstance(remote, EngineClient)
     assert remote.model_name == local.model_name
     assert (remote.vocab_size, remote.max_model_len) == (local.vocab_size, local.max_model_len)
@@ -143,6 +143,13 @@ async def test_remote_matches_in_process_engine(remote, local):
         assert remote.tokenize(text) == local.tokenize(text)
         ids = local.tokenize(text) + [local.tokenizer.eos_token_id]
         assert remote.detokenize(ids) == local.detokenize(ids)
+
+    # a tokenizer loaded locally from the same model tokenizes the same
+    same = await RemoteEngine.connect(remote.base_url, api_key=ENGINE_KEY,
+                                      tokenizer=tiny_model_dir)
+    assert same.tokenizer is not remote.tokenizer
+    assert same.tokenize("Hello, world! 🦜") == remote.tokenize("Hello, world! 🦜")
+    await same.aclose()
 
     before = await remote.stats()
     got = await _script(remote, _ids("same"))

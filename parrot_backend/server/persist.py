@@ -8,21 +8,26 @@ event loop (and with it the engine's scheduling) never waits on the database.
 Token events are the exception that keeps the store cheap: they are buffered and written
 in batches by a background flusher (every `flush_interval_s`). Nothing reads tokens from
 the manager's memory: SSE streams read the store's log, so a token is streamed only once
-its batch committed. Before any other event of a run is written, the run's buffered
-tokens are written first (per-run lock), so the log keeps the manager's order and a
-call's tokens are durable before its value or its end are acknowledged. Tokens still in
-the buffer when the process dies were never streamed; the call runs again after recovery.
+its batch committed. Any other event of a run is written in one transaction together
+with the run's buffered tokens, placed before it (under a per-run lock), so the log
+keeps the manager's order and a call's tokens are durable before its value or its end
+are acknowledged. Tokens still buffered when the process dies were never streamed; the
+call runs again after recovery. Store writes go to one writer thread on SQLite (its
+single writer lock would otherwise make threads sleep in the busy handler).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from parrot_backend.program import CallSpec
 from parrot_backend.store import CallRecord, Store
@@ -31,6 +36,7 @@ from parrot_backend.store.columns import utcnow
 from .notify import Notifier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # manager run_finished status -> store run status
 _RUN_STATUS = {"finished": "done", "failed": "failed", "cancelled": "cancelled"}
@@ -49,10 +55,9 @@ class RunMeta:
     call_idx: dict[str, int] = field(default_factory=dict)  # call name -> index in run
     started: bool = False  # the store's run status is "running"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tokens: list[tuple[str, str, Any]] = field(default_factory=list)  # buffered events
+    tokens: list[tuple[str, Any]] = field(default_factory=list)  # buffered token events
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # call -> tokens
-    first_token: dict[str, datetime] = field(default_factory=dict)  # not yet recorded
-    first_done: set[str] = field(default_factory=set)
+    first_token: dict[str, datetime] = field(default_factory=dict)  # recorded at the end
 
     def set_calls(self, calls: tuple[CallRecord, ...]) -> None:
         """Take the store ids and indices of the run's calls."""
@@ -98,6 +103,16 @@ class StorePersister:
         self.frozen = False  # set on shutdown: later events are not persisted
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # SQLite has one writer: concurrent write transactions from several threads only
+        # wait for each other in the busy handler's sleeps (milliseconds each). One writer
+        # thread queues them instead. PostgreSQL takes a few in parallel.
+        writers = 1 if store.dialect == "sqlite" else 4
+        self._writer = ThreadPoolExecutor(writers, thread_name_prefix="parrot-store")
+
+    async def _db(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run a store call on the writer thread(s)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._writer, functools.partial(fn, *args, **kw))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -115,6 +130,7 @@ class StorePersister:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._writer.shutdown(wait=True)
 
     def expect(self, run_id: str, meta: RunMeta) -> None:
         """Register a run before the manager creates it (its `run_created` needs this)."""
@@ -133,140 +149,150 @@ class StorePersister:
         if meta is None:
             raise RuntimeError(f"run {run_id} was not announced to the persister")
         if type == "token":
-            meta.tokens.append((run_id, type, payload))
+            meta.tokens.append(("token", payload))
             call = payload["call"]
             meta.counts[call] += 1
-            if call not in meta.first_done and call not in meta.first_token:
-                meta.first_token[call] = utcnow()
+            meta.first_token.setdefault(call, utcnow())
             self._dirty.set()
             return
         async with meta.lock:
-            await self._flush(run_id, meta)
-            await self._write(run_id, meta, type, payload)
+            # the run's buffered tokens go first, in the same transaction as this event
+            # (one commit instead of two, and the log keeps the manager's order)
+            events = [*meta.tokens, (type, payload)]
+            meta.tokens = []
+            await self._write(run_id, meta, type, payload, events)
         self.notifier.wake(run_id)
 
-    async def _write(self, run_id: str, meta: RunMeta, type: str, payload: dict) -> None:
+    async def _write(self, run_id: str, meta: RunMeta, type: str, payload: dict,
+                     events: list[tuple[str, Any]]) -> None:
         handler = getattr(self, f"_on_{type}", None)
         if handler is None:  # any other event type: just log it
-            await asyncio.to_thread(self.store.append_event, run_id, type, payload)
+            await self._db(self.store.append_events, [(run_id, t, p) for t, p in events])
             return
-        await handler(run_id, meta, payload)
+        await handler(run_id, meta, payload, events)
 
-    async def _on_run_created(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_run_created(self, run_id: str, meta: RunMeta, payload: dict,
+                              events: list) -> None:
         st = self.store
         if meta.resumed:
             # the rows exist; the manager re-announced the run while recovering it
-            await asyncio.to_thread(st.append_event, run_id, "run_resumed", {})
+            await self._db(st.append_event, run_id, "run_resumed", {})
             return
         program = dict(payload["program"])
         meta.program = program
         calls = _descriptors(program["calls"], 0)
-        detail = await asyncio.to_thread(
+        detail = await self._db(
             st.create_run, meta.tenant_id, program, calls, payload["inputs"],
             payload["outputs"], open=payload["open"], workflow_id=meta.workflow_id,
-            replay_of=meta.replay_of, run_id=run_id, events=[("run_created", payload)])
+            replay_of=meta.replay_of, run_id=run_id, events=events)
         meta.set_calls(detail.calls)
 
-    async def _on_calls_added(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_calls_added(self, run_id: str, meta: RunMeta, payload: dict,
+                              events: list) -> None:
         first = len(meta.program["calls"])
         added = _plain(payload["calls"])
         calls = _descriptors(added, first)
         program = {**meta.program, "calls": [*meta.program["calls"], *added]}
-        await asyncio.to_thread(self.store.add_calls, meta.tenant_id, run_id, calls,
-                                program=program, events=[("calls_added", payload)])
+        await self._db(self.store.add_calls, meta.tenant_id, run_id, calls, program=program,
+                       events=events)
         meta.program = program
         await self.refresh_call_ids(run_id, meta)
 
     async def refresh_call_ids(self, run_id: str, meta: RunMeta) -> None:
         """Reload the call name -> store id map of a run."""
-        detail = await asyncio.to_thread(self.store.get_run, meta.tenant_id, run_id)
+        detail = await self._db(self.store.get_run, meta.tenant_id, run_id)
         meta.set_calls(detail.calls)
         meta.program = dict(detail.program)
 
-    async def _on_objectives(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_objectives(self, run_id: str, meta: RunMeta, payload: dict,
+                             events: list) -> None:
         idx = meta.call_idx
         plans = {
             idx[name]: {"objective": o["objective"],
                         "task_group": None if o["group"] is None else str(o["group"])}
             for name, o in payload["calls"].items() if name in idx
         }
-        st = self.store
-        await asyncio.to_thread(st.annotate_calls, run_id, plans)
-        await asyncio.to_thread(st.append_event, run_id, "objectives", payload)
+        await self._db(self.store.annotate_calls, run_id, plans, events=events)
 
-    async def _on_run_closed(self, run_id: str, meta: RunMeta, payload: dict) -> None:
-        await asyncio.to_thread(self.store.close_run, meta.tenant_id, run_id)
-        await asyncio.to_thread(self.store.append_event, run_id, "run_closed", payload)
+    async def _on_run_closed(self, run_id: str, meta: RunMeta, payload: dict,
+                             events: list) -> None:
+        await self._db(self.store.close_run, meta.tenant_id, run_id)
+        await self._db(self.store.append_events, [(run_id, t, p) for t, p in events])
 
-    async def _on_call_started(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_call_started(self, run_id: str, meta: RunMeta, payload: dict,
+                               events: list) -> None:
         st = self.store
         if not meta.started:
-            await asyncio.to_thread(st.set_run_status, run_id, "running")
+            await self._db(st.set_run_status, run_id, "running")
             meta.started = True
         call = payload["call"]
         meta.counts[call] = 0
-        meta.first_done.discard(call)
         meta.first_token.pop(call, None)
-        held = await asyncio.to_thread(
-            st.hold_call, meta.call_ids[call], self.worker, engine=payload.get("engine"),
-            lease_s=self.lease_s, events=[("call_started", payload)])
+        held = await self._db(st.hold_call, meta.call_ids[call], self.worker,
+                              engine=payload.get("engine"), lease_s=self.lease_s,
+                              events=events)
         if not held:  # another process runs it: this manager must not
             raise RuntimeError(f"call {call!r} of run {run_id} is held by another worker")
 
-    async def _on_variable_ready(self, run_id: str, meta: RunMeta, payload: dict) -> None:
-        await asyncio.to_thread(self.store.set_variables, run_id,
-                                {payload["name"]: payload["value"]},
-                                events=[("variable_ready", payload)])
+    async def _on_variable_ready(self, run_id: str, meta: RunMeta, payload: dict,
+                                 events: list) -> None:
+        changed = await self._db(self.store.set_variables, run_id,
+                                 {payload["name"]: payload["value"]}, events=events)
+        if not changed and len(events) > 1:  # value was already there: keep the tokens
+            await self._db(self.store.append_events, [(run_id, t, p) for t, p in events[:-1]])
 
-    async def _on_variable_failed(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_variable_failed(self, run_id: str, meta: RunMeta, payload: dict,
+                                  events: list) -> None:
         st = self.store
-        if await asyncio.to_thread(st.fail_variable, run_id, payload["name"], payload["error"]):
-            await asyncio.to_thread(st.append_event, run_id, "variable_failed", payload)
+        failed = await self._db(st.fail_variable, run_id, payload["name"], payload["error"])
+        kept = events if failed else events[:-1]
+        if kept:
+            await self._db(st.append_events, [(run_id, t, p) for t, p in kept])
 
-    async def _on_call_finished(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_call_finished(self, run_id: str, meta: RunMeta, payload: dict,
+                                events: list) -> None:
         call = payload["call"]
-        result = await asyncio.to_thread(
+        result = await self._db(
             self.store.finish_call, meta.call_ids[call], self.worker, {},
-            completion_tokens=meta.counts.get(call, 0), events=[("call_finished", payload)])
+            completion_tokens=meta.counts.get(call, 0),
+            first_token_at=meta.first_token.pop(call, None), events=events)
         if not result.accepted:
             log.warning("run %s: call %r finished without holding its claim", run_id, call)
 
-    async def _on_call_failed(self, run_id: str, meta: RunMeta, payload: dict) -> None:
+    async def _on_call_failed(self, run_id: str, meta: RunMeta, payload: dict,
+                              events: list) -> None:
         st = self.store
         call_id = meta.call_ids[payload["call"]]
         # a call failed because an input failed never ran: claim it to record the failure
-        await asyncio.to_thread(st.hold_call, call_id, self.worker, start=False,
-                                lease_s=self.lease_s)
-        await asyncio.to_thread(st.fail_call, call_id, self.worker, payload["error"],
-                                events=[("call_failed", payload)])
+        await self._db(st.hold_call, call_id, self.worker, start=False, lease_s=self.lease_s)
+        await self._db(st.fail_call, call_id, self.worker, payload["error"], events=events)
 
-    async def _on_run_finished(self, run_id: str, meta: RunMeta, payload: dict) -> None:
-        await asyncio.to_thread(self.store.set_run_status, run_id,
-                                _RUN_STATUS[payload["status"]],
-                                events=[("run_finished", payload)])
+    async def _on_run_finished(self, run_id: str, meta: RunMeta, payload: dict,
+                               events: list) -> None:
+        changed = await self._db(self.store.set_run_status, run_id,
+                                 _RUN_STATUS[payload["status"]], events=events)
+        if not changed and len(events) > 1:
+            await self._db(self.store.append_events, [(run_id, t, p) for t, p in events[:-1]])
 
     # ------------------------------------------------------------------ tokens
-    async def _flush(self, run_id: str, meta: RunMeta) -> None:
-        """Write the run's buffered tokens (caller holds `meta.lock`)."""
-        if not meta.tokens:
-            return
-        batch, meta.tokens = meta.tokens, []
-        firsts, meta.first_token = meta.first_token, {}
-        await asyncio.to_thread(self.store.append_events, batch)
-        for call, at in firsts.items():
-            meta.first_done.add(call)
-            call_id = meta.call_ids.get(call)
-            if call_id is not None:
-                await asyncio.to_thread(self.store.mark_call_first_token, call_id,
-                                        self.worker, now=at)
-        self.notifier.wake(run_id)
-
     async def flush_all(self) -> None:
-        """Write every run's buffered tokens."""
-        for run_id, meta in list(self.runs.items()):
-            if meta.tokens:
-                async with meta.lock:
-                    await self._flush(run_id, meta)
+        """Write every run's buffered tokens in one transaction (one commit per flush,
+        however many runs are generating: commits, not rows, are what cost)."""
+        dirty = sorted(r for r, m in self.runs.items() if m.tokens)
+        if not dirty:
+            return
+        metas = [self.runs[r] for r in dirty]
+        async with contextlib.AsyncExitStack() as stack:
+            # sorted order; a listener holds one run's lock at a time, so no deadlock
+            for meta in metas:
+                await stack.enter_async_context(meta.lock)
+            batch = [(r, t, p) for r, m in zip(dirty, metas, strict=True) for t, p in m.tokens]
+            for meta in metas:
+                meta.tokens = []
+            if batch:
+                await self._db(self.store.append_events, batch)
+        for run_id in dirty:
+            self.notifier.wake(run_id)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -285,7 +311,7 @@ class StorePersister:
             ids = [cid for m in self.runs.values() for cid in m.call_ids.values()]
             if ids:
                 try:
-                    await asyncio.to_thread(self.store.renew_lease, self.worker, ids,
+                    await self._db(self.store.renew_lease, self.worker, ids,
                                             self.lease_s)
                 except Exception:
                     log.exception("renewing call leases failed")

@@ -46,7 +46,7 @@ class NativeRuntime:
         salt_secret: bytes | None = None,
         manager_config: ManagerConfig | None = None,
         keep_finished_s: float = 60.0,
-        flush_interval_s: float = 0.02,
+        flush_interval_s: float = 0.05,
         persist: bool = True,
     ) -> None:
         self.store = store

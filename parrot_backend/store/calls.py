@@ -208,10 +208,12 @@ class CallsMixin(StoreBase):
         *,
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
+        first_token_at: datetime | None = None,
         events: Sequence[tuple[str, Any]] = (),
         now: datetime | None = None,
     ) -> FinishResult:
-        """Record a call's outputs and mark it done, atomically with ``events``.
+        """Record a call's outputs and mark it done, atomically with ``events``
+        (``first_token_at``, when given, is recorded in the same write).
 
         Rejected (nothing written) when ``worker`` no longer holds the claim. Output
         variables already ready are left as they are: the first recorded value wins.
@@ -224,10 +226,11 @@ class CallsMixin(StoreBase):
             extra = set(outputs) - set(call.outputs)
             if extra:
                 raise InvalidRequestError(f"call {call_id} does not produce {sorted(extra)}")
+            first = {} if first_token_at is None else {"first_token_at": first_token_at}
             if not _fenced(
                 s, call_id, worker, CALL_HELD, status="done", finished_at=now,
                 lease_expires_at=None, prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens, error=None,
+                completion_tokens=completion_tokens, error=None, **first,
             ):
                 return FinishResult(accepted=False)
             changed = set_values_in(s, call.run_id, outputs, now)

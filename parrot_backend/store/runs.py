@@ -184,10 +184,19 @@ class RunsMixin(StoreBase):
                 append_in(s, [(run_id, t, p) for t, p in events])
             return list(range(first, first + len(plans)))
 
-    def annotate_calls(self, run_id: str, plans: Mapping[int, Mapping[str, Any]]) -> int:
-        """Record the manager's deductions per call index: ``objective`` and ``task_group``."""
+    def annotate_calls(
+        self,
+        run_id: str,
+        plans: Mapping[int, Mapping[str, Any]],
+        *,
+        events: Sequence[tuple[str, Any]] = (),
+    ) -> int:
+        """Record the manager's deductions per call index: ``objective`` and ``task_group``
+        (with ``events`` appended in the same transaction)."""
         n = 0
         with self._write() as s:
+            if events:
+                append_in(s, [(run_id, t, p) for t, p in events])
             for idx, plan in plans.items():
                 values = {k: plan[k] for k in ("objective", "task_group") if k in plan}
                 if values.get("objective") not in (None, *OBJECTIVES):

@@ -49,7 +49,9 @@ async def test_another_tenants_run_is_not_found_on_every_route(tmp_path) -> None
         # nothing bob tried changed alice's run
         assert (await c.put(f"/v1/runs/{rid}/variables/x", json={"value": "go"})).status_code \
             == 200
-        assert (await c.get(f"/v1/runs/{rid}/variables/y")).json()["value"] == "<go>"
+        got = await c.get(f"/v1/runs/{rid}/variables/y")
+        assert got.status_code == 200, got.text
+        assert got.json()["value"] == "<go>"
         detail = (await c.get(f"/v1/runs/{rid}")).json()
         assert detail["run"]["status"] == "running" and len(detail["calls"]) == 1
 

@@ -4,6 +4,7 @@ manager is up) and heartbeat; SIGKILL on one removes it after missed heartbeats 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -98,7 +99,16 @@ async def test_engines_register_heartbeat_and_expire(tiny_model_dir, tmp_path):
             first = await _generate(clients[0], "c1")
             assert await _generate(clients[1], "c1") == first  # same model, same tokens
 
+            # a generation in flight when its engine dies fails fast, as unavailable
+            await clients[0].fill("long", None, clients[0].tokenize("on and on"))
+            stream = clients[0].generate("long", None,
+                                         SamplingParams(max_tokens=400, ignore_eos=True))
+            await anext(stream)
             procs[0].kill(signal.SIGKILL)
+            with pytest.raises(EngineUnavailable):
+                async with asyncio.timeout(STARTUP_S):
+                    async for _ in stream:
+                        pass
             recorder.wait(lambda: recorder.removed == ["e1"])
             assert set(registry.engines) == {"e2"}
             with pytest.raises(EngineUnavailable):

@@ -20,9 +20,10 @@ import uuid
 
 import httpx
 import pytest
-from native_support import sse_events
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+
+from .native_support import sse_events
 
 PG_ENV = "PARROT_TEST_DATABASE_URL"
 N_CALLS = 6

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import uuid
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +38,12 @@ class EmptyPrompt(ValueError):
     """A call has nothing before its first output: the engine cannot generate from nothing."""
 
 
+_NAMESPACE = uuid.uuid4().hex[:12]  # engines outlive processes: ids must not collide
+
+
 def new_context_id(prefix: str = "call") -> str:
-    """A context id unique in this process."""
-    return f"{prefix}:{next(_ids)}"
+    """A context id unique across processes sharing an engine."""
+    return f"{prefix}:{_NAMESPACE}:{next(_ids)}"
 
 
 @dataclass(slots=True)

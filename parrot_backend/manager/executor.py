@@ -177,6 +177,7 @@ class Manager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.sharing.close()  # engines may outlive this manager: leave nothing behind
         for run in self.runs.values():
             for fut in run.futures.values():
                 if not fut.done():

@@ -18,12 +18,13 @@ prefixes stay filled until an engine runs short of KV, then go least recently us
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from parrot_backend.engine.errors import ContextNotFound
+from parrot_backend.engine.errors import ContextNotFound, EngineError
 from parrot_backend.engine.interface import EngineClient
 
 from .prefix import Prefix, PrefixEntry, PrefixTable
@@ -31,11 +32,6 @@ from .prefix import Prefix, PrefixEntry, PrefixTable
 
 class PrefixUnavailable(RuntimeError):
     """A prefix a call waited for could not be filled (its filler failed or was cancelled)."""
-
-
-def prefix_context_id(key: str) -> str:
-    """The engine context id that holds prefix `key`."""
-    return f"pfx:{key}"
 
 
 @dataclass(slots=True)
@@ -88,6 +84,21 @@ class SharedPrefixes:
         self.forks: Counter[str] = Counter()  # engine id -> calls forked from a prefix
         self._ready: dict[str, asyncio.Future[None]] = {}  # key -> its fill finished
         self._broken: set[str] = set()  # keys whose fill failed; dropped when released
+        # engines outlive managers (remote engines, restarts): ids carry this manager's
+        # namespace so another manager never appends to a context it did not create
+        self.namespace = uuid.uuid4().hex[:12]
+
+    def context_id(self, key: str) -> str:
+        """The engine context id that holds prefix `key`."""
+        return f"pfx:{self.namespace}:{key}"
+
+    async def close(self) -> None:
+        """Free every idle prefix context (at shutdown; no call may hold one)."""
+        for engine_id in list(self.engines):
+            try:
+                await self._free(engine_id, self.table.evict(engine_id, 1 << 62))
+            except EngineError:  # an engine that is gone holds nothing
+                pass
 
     async def attach(
         self,
@@ -112,7 +123,7 @@ class SharedPrefixes:
                     self.table.insert(
                         prefix.key,
                         engine_id,
-                        prefix_context_id(prefix.key),
+                        self.context_id(prefix.key),
                         prefix.n_tokens,
                         self.clock(),
                         parent=parent,
@@ -131,7 +142,7 @@ class SharedPrefixes:
                         out.keys.pop()
                         await self.release(engine_id, [prefix.key])
                         continue
-                out.context_id, out.n_tokens = prefix_context_id(prefix.key), prefix.n_tokens
+                out.context_id, out.n_tokens = self.context_id(prefix.key), prefix.n_tokens
         except BaseException:
             await self.release(engine_id, out.keys)
             raise
@@ -151,7 +162,7 @@ class SharedPrefixes:
         ready = self._ready[prefix.key]
         try:
             await self.engines[engine_id].fill(
-                prefix_context_id(prefix.key),
+                self.context_id(prefix.key),
                 above.context_id,
                 list(prompt[above.n_tokens : prefix.n_tokens]),
                 salt=salt,

@@ -9,6 +9,7 @@ the value's tokens: the same rule the manager follows (see manager/execute.py).
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -85,6 +86,9 @@ async def managed(model_dir, *specs: RunSpec) -> tuple[list[dict[str, str]], Man
         values = [manager.run_status(rid).values for rid in ids]
         assert all(manager.run_status(rid).state == "finished" for rid in ids)
         assert engine.stats_now().contexts == len(manager.sharing.table)  # calls freed
+        serving = copy.deepcopy(manager.sharing.table)
+    assert engine.stats_now().contexts == 0  # a stopped manager leaves no prefix behind
+    manager.sharing.table = serving  # tests inspect the prefixes as they were while serving
     return values, manager, engine
 
 

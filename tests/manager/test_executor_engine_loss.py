@@ -102,3 +102,14 @@ async def test_an_added_engine_takes_work_and_a_foreign_model_is_refused() -> No
         await asyncio.wait_for(m.get(rid, "total"), 10)
         assert moved == []
         assert {c.engine for c in m.run_status(rid).calls.values()} == {"b"}
+
+
+async def test_an_engine_outliving_its_manager_serves_the_next_one_identically() -> None:
+    engine = ScriptedEngine(reply=reply)
+    outputs = []
+    for _ in range(2):  # e.g. a remote engine across a manager restart
+        async with Manager({"e": engine}) as m:
+            rid = await m.create_run(fan_out())
+            outputs.append(await m.get(rid, "total"))
+        assert engine.contexts == {}  # the stopped manager freed its prefix contexts
+    assert outputs[0] == outputs[1]

@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this server's name in call claims (default: serve@<hostname>); "
                         "keep it stable across restarts")
     s.set_defaults(func=_serve)
+    from parrot_backend.server.engine_main import add_engine_parser
+
+    add_engine_parser(sub)  # `parrot-backend engine`: a remote engine process
     return parser
 
 

@@ -375,12 +375,14 @@ class Manager:
             raise RunCancelled(f"run {run_id} was cancelled")
         if name not in run.program.variables and not run.open:
             raise UnknownVariableError(f"run {run_id} has no variable {name!r}")
-        if run.waits.get(name) != "latency" and run.waits.get(name) != perf:
-            run.waits[name] = perf
-            await self._deduce(run)
+        # register the wait before deducing: deduction awaits listeners, and a value set
+        # meanwhile must resolve this future
         fut = run.futures.get(name)
         if fut is None:
             fut = run.futures[name] = asyncio.get_running_loop().create_future()
+        if run.waits.get(name) != "latency" and run.waits.get(name) != perf:
+            run.waits[name] = perf
+            await self._deduce(run)
         async with asyncio.timeout(timeout):
             return await asyncio.shield(fut)
 

@@ -113,3 +113,29 @@ async def test_an_engine_outliving_its_manager_serves_the_next_one_identically()
             outputs.append(await m.get(rid, "total"))
         assert engine.contexts == {}  # the stopped manager freed its prefix contexts
     assert outputs[0] == outputs[1]
+
+
+async def test_get_resolves_when_the_value_arrives_during_its_deduction() -> None:
+    gate = asyncio.Event()
+
+    class SlowObjectives:
+        """A listener slow to record objective changes (a store under load); the call
+        finishes meanwhile."""
+
+        async def on_event(self, run_id, type, payload):
+            latency = payload.get("calls", {}).get("c", {}).get("objective") == "latency"
+            if type == "objectives" and latency and not gate.is_set():
+                gate.set()
+                await asyncio.sleep(0.2)
+
+    engine = ScriptedEngine(reply=reply, gate=gate)
+    async with Manager({"e": engine}, listeners=[SlowObjectives()]) as m:
+        spec = RunSpec.model_validate(
+            {
+                "program": {"calls": [{"name": "c", "template": "Q {{input:q}} A {{output:a}}"}]},
+                "inputs": {"q": "x"},
+            }
+        )
+        rid = await m.create_run(spec)
+        # the call runs while this get's deduction waits on the listener
+        assert await asyncio.wait_for(m.get(rid, "a", perf="latency"), 5) == reply("Q x A ")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -28,6 +29,7 @@ from .runtime import NativeRuntime
 from .state import StateDep
 
 router = APIRouter(prefix="/v1", tags=["native"])
+log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # re-read the log at least this often (events from another process)
 BATCH = 500
@@ -81,6 +83,9 @@ async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
                         return
                     continue
             await rt.notifier.wait(changed, POLL_S)
+    except Exception:
+        log.exception("event stream of run %s failed", run_id)
+        raise
     finally:
         # runs on the end, on client disconnect (CancelledError) and on send timeouts
         rt.notifier.detach(run_id)

@@ -223,7 +223,6 @@ def test_sse_stream_disconnect_releases_the_run(tmp_path) -> None:
                               timeout=10) as r:
                 first = next(r.iter_lines())
                 assert first.startswith("id: 1") or first.startswith("event:")
-                assert wait_until(lambda: rt.notifier.watched == 1)
             # the client left mid-run: the stream's generator cleaned up
             assert wait_until(lambda: rt.notifier.watched == 0)
         assert rt.manager.runs[rid].state == "running"  # left running: shutdown stops it

@@ -62,24 +62,26 @@ def chain(i: int, calls: int, tokens: int) -> RunSpec:
 
 
 async def workload(engine: Engine, url: str, persist: bool, runs: int, calls: int,
-                   tokens: int) -> tuple[float, int]:
-    """(tokens/s, tokens) for `runs` chains at once; `persist` switches the store's
-    listener on (off: the same runtime and path, no event is written)."""
+                   tokens: int) -> tuple[float, int, float]:
+    """(tokens/s, tokens, process CPU s) for `runs` chains at once; `persist` switches
+    the store's listener on (off: the same runtime and path, no event is written)."""
     store = Store(url)
     rt = NativeRuntime(store, {"e0": engine}, persist=persist)
     await rt.manager.start()
     rt.persister.start()
     await rt.tenant_id("bench")
     before = (await engine.stats()).tokens_generated
+    cpu = time.process_time()
     start = time.perf_counter()
     ids = [await rt.create_run("bench", chain(i, calls, tokens)) for i in range(runs)]
     await asyncio.gather(*(wait_value(rt, r, f"x{calls}", "throughput", 600) for r in ids))
     await rt.persister.flush_all()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     made = (await engine.stats()).tokens_generated - before
     await rt.stop()
     store.close()
-    return made / elapsed, made
+    return made / elapsed, made, cpu
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -88,15 +90,17 @@ async def main(args: argparse.Namespace) -> None:
     engine = Engine.from_pretrained(model, num_blocks=args.num_blocks, progress=False)
     async with engine:
         await workload(engine, args.url or f"sqlite:///{tmp / 'warm.db'}", True, 4, 1, 8)
+        await workload(engine, args.url or f"sqlite:///{tmp / 'warm2.db'}", False, 4, 1, 8)
         ratios = []
         for r in range(args.rounds):
             url = args.url or f"sqlite:///{tmp / f'round{r}.db'}"
             work = (args.runs, args.calls, args.tokens)
-            off, n_off = await workload(engine, url, False, *work)
-            on, n_on = await workload(engine, url, True, *work)
+            off, n_off, cpu_off = await workload(engine, url, False, *work)
+            on, n_on, cpu_on = await workload(engine, url, True, *work)
             ratios.append(on / off)
-            print(f"round {r}: store off {off:8.1f} tok/s ({n_off} tokens)   "
-                  f"store on {on:8.1f} tok/s ({n_on} tokens)   on/off {on / off:.3f}")
+            print(f"round {r}: store off {off:8.1f} tok/s ({n_off} tok, cpu {cpu_off:.2f} s)"
+                  f"   store on {on:8.1f} tok/s ({n_on} tok, cpu {cpu_on:.2f} s)"
+                  f"   on/off {on / off:.3f}")
     median = statistics.median(ratios)
     print(f"median on/off throughput ratio: {median:.3f} (cost {100 * (1 - median):.1f} %)")
     shutil.rmtree(tmp, ignore_errors=True)

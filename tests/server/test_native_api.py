@@ -227,3 +227,22 @@ def test_sse_stream_disconnect_releases_the_run(tmp_path) -> None:
             assert wait_until(lambda: rt.notifier.watched == 0)
         assert rt.manager.runs[rid].state == "running"  # left running: shutdown stops it
     store.close()
+
+
+async def test_finished_runs_leave_memory_and_answer_from_the_store(tmp_path) -> None:
+    async with native_app(tmp_path, keep_finished_s=0) as (c, rt):
+        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()[
+            "run_id"]
+        await finished(c, rid)
+        for _ in range(100):  # the forget is scheduled right after the run's end
+            if rid not in rt.manager.runs:
+                break
+            await asyncio.sleep(0.01)
+        assert rid not in rt.manager.runs and rid not in rt.persister.runs
+        z = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 1})
+        assert (z.status_code, z.json()["value"]) == (200, "<<go>>")
+        assert (await c.get(f"/v1/runs/{rid}/variables/nope")).status_code == 404
+        assert (await c.post(f"/v1/runs/{rid}/calls", json={"calls": [
+            {"template": "x {{output:q}}"}]})).status_code == 409
+        assert (await c.post(f"/v1/runs/{rid}/cancel")).json()["status"] == "done"
+        assert len(sse_events((await c.get(f"/v1/runs/{rid}/events")).text)) > 5

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.engine import Engine, compute_executor
 from parrot_backend.engine.model_files import resolve_model
 from parrot_backend.engine.sampling import SamplingParams
 
@@ -60,7 +60,12 @@ async def engine_run(engine, batch: list[list[int]], max_tokens: int, tag: str):
 
 
 def hf_run(model, batch: list[list[int]], max_tokens: int):
-    """transformers generate() on an unpadded batch of equal-length prompts."""
+    """transformers generate() on an unpadded batch of equal-length prompts, on the engine's
+    compute thread: torch on a second thread would slow both sides (see compute_executor)."""
+    return compute_executor().submit(_hf_run, model, batch, max_tokens).result()
+
+
+def _hf_run(model, batch: list[list[int]], max_tokens: int):
     ids = torch.tensor(batch)
 
     class FirstToken:
@@ -219,8 +224,9 @@ def main() -> None:
                                     dtype=args.dtype)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
-    model.eval()
+    model = compute_executor().submit(
+        AutoModelForCausalLM.from_pretrained, str(path), dtype=getattr(torch, args.dtype)
+    ).result().eval()
     out = {
         "dtype": args.dtype,
         "throughput": bench_throughput(engine, model, new, 64, 1 if args.quick else 3),

@@ -193,8 +193,14 @@ class RemoteEngine:
                 tokenizer = await cls._fetch_tokenizer(client, info, control_timeout_s)
             elif isinstance(tokenizer, (str, os.PathLike)):
                 tokenizer = await asyncio.to_thread(_local_tokenizer, tokenizer)
-            engine = cls(base_url, api_key=api_key, info=info, tokenizer=tokenizer,
-                         client=client, control_timeout_s=control_timeout_s)
+            engine = cls(
+                base_url,
+                api_key=api_key,
+                info=info,
+                tokenizer=tokenizer,
+                client=client,
+                control_timeout_s=control_timeout_s,
+            )
         except BaseException:
             await client.aclose()
             raise
@@ -273,8 +279,13 @@ class RemoteEngine:
         length. Cancelling the awaiting task cancels the remote fill."""
         _check_id(context_id, "context_id")
         _check_id(parent_id, "parent_id")
-        body = {"context_id": context_id, "parent_id": parent_id,
-                "token_ids": list(token_ids), "salt": salt, "priority": priority}
+        body = {
+            "context_id": context_id,
+            "parent_id": parent_id,
+            "token_ids": list(token_ids),
+            "salt": salt,
+            "priority": priority,
+        }
         data = await self._post("/engine/fill", body, timeout=None)
         return int(data["length"])
 
@@ -294,8 +305,13 @@ class RemoteEngine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling must be a SamplingParams")
         self._check_open()
-        body = {"context_id": context_id, "parent_id": parent_id, "sampling": asdict(sampling),
-                "salt": salt, "priority": priority}
+        body = {
+            "context_id": context_id,
+            "parent_id": parent_id,
+            "sampling": asdict(sampling),
+            "salt": salt,
+            "priority": priority,
+        }
         finished = False
         try:
             async with self._client.stream("POST", "/engine/generate", json=body) as response:
@@ -306,8 +322,9 @@ class RemoteEngine:
                     if event == "error":
                         raise error_from_response(200, _loads(data))
                     payload = _loads(data)
-                    delta = TokenDelta(payload["token_id"], payload["text"],
-                                       payload.get("finish_reason"))
+                    delta = TokenDelta(
+                        payload["token_id"], payload["text"], payload.get("finish_reason")
+                    )
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
@@ -320,8 +337,7 @@ class RemoteEngine:
     async def free(self, context_id: Hashable) -> None:
         """Release a context (blocks other contexts hold stay alive)."""
         _check_id(context_id, "context_id")
-        await self._post("/engine/free", {"context_id": context_id},
-                         timeout=self.control_timeout_s)
+        await self._post("/engine/free", {"context_id": context_id}, timeout=self.control_timeout_s)
 
     async def reset(self) -> int:
         """Free every idle context on the engine (what a manager does when it takes the
@@ -354,8 +370,9 @@ class RemoteEngine:
     async def _post(self, path: str, body: dict, *, timeout: float | None) -> Any:
         self._check_open()
         try:
-            response = await self._client.post(path, json=body, timeout=httpx.Timeout(
-                timeout, connect=5.0, pool=None))
+            response = await self._client.post(
+                path, json=body, timeout=httpx.Timeout(timeout, connect=5.0, pool=None)
+            )
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"engine at {self.base_url}: {exc!r}") from exc
         data = _json_or_none(response)

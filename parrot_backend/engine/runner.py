@@ -27,6 +27,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.backend = backend
+        self.pending_copies: list[tuple[int, int]] = []
         n_kv = config.num_key_value_heads or config.num_attention_heads
         head_dim = model.model.layers[0].self_attn.head_dim
         shape = (num_blocks, block_size, n_kv, head_dim)
@@ -49,11 +50,18 @@ class ModelRunner:
         return 2 * config.num_hidden_layers * block_size * n_kv * head_dim * elem
 
     def copy_block(self, src: int, dst: int) -> None:
-        for k, v in self.kv_caches:
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        """Copy-on-write of one block, done on the compute thread before the next forward."""
+        self.pending_copies.append((src, dst))
+
+    def _flush_copies(self) -> None:
+        for src, dst in self.pending_copies:  # in order: a freed source may be a later dst
+            for k, v in self.kv_caches:
+                k[dst].copy_(k[src])
+                v[dst].copy_(v[src])
+        self.pending_copies.clear()
 
     def build(self, work: list[Work]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        self._flush_copies()
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []

@@ -496,10 +496,7 @@ async def test_manager_runs_programs_on_remote_engines(remote, tiny_model_dir):
     before = await remote.stats()
     await remote.reset()  # what the registry does when an engine (re-)registers
     assert await _run_managed({"remote": remote}) == want
-    # a manager keeps its static prefixes on the engine; the next manager must start from
-    # a reset engine, or its content-derived prefix ids would append to the old contexts
-    assert (await remote.stats()).contexts > 0
-    assert await remote.reset() > 0
+    # a stopped manager frees its prefix contexts: the engine outlives it, clean
     assert (await remote.stats()).contexts == 0
     async with fresh() as local:
         assert await _run_managed({"remote": remote, "local": local}) == want

@@ -119,7 +119,17 @@ def _serve(args: argparse.Namespace) -> int:
                                   key_lookup=runtime.key_lookup if auth else None,
                                   auth=True if auth else None, manage_engine=True,
                                   salt_secret=runtime.salt_secret)
-        app = create_app(engine, settings=settings, native=runtime)
+        registry = None
+        if args.operator_key:
+            from parrot_backend.server.engine_registry import EngineRegistry
+
+            # remote engines (`parrot-backend engine --manager URL`) join the manager here;
+            # one that stops heartbeating is removed and its calls run elsewhere
+            registry = EngineRegistry(operator_key=args.operator_key,
+                                      model_name=runtime.manager.model,
+                                      on_added=runtime.manager.add_engine,
+                                      on_removed=runtime.manager.remove_engine)
+        app = create_app(engine, settings=settings, native=runtime, registry=registry)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         store.close()
@@ -188,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-id", default=None,
                    help="this server's name in call claims (default: serve@<hostname>); "
                         "keep it stable across restarts")
+    s.add_argument("--operator-key", default=os.environ.get("PARROT_OPERATOR_KEY"),
+                   help="accept remote engines that register with this key "
+                        "(default: $PARROT_OPERATOR_KEY; none: no remote engines)")
     s.set_defaults(func=_serve)
     from parrot_backend.server.engine_main import add_engine_parser
 

@@ -42,18 +42,13 @@ from .errors import (
     ContextBusy,
     ContextNotFound,
     EngineError,
+    EngineUnavailable,
     InvalidRequest,
     OutOfMemory,
     RequestCancelled,
 )
 from .interface import EngineStats, TokenDelta
 from .sampling import SamplingParams
-
-
-class EngineUnavailable(EngineError):
-    """The remote engine cannot be used now: unreachable, the connection dropped, it
-    refused our key, or it reports that it stopped or died."""
-
 
 # error `type` names the engine API sends -> our classes
 _BY_TYPE: dict[str, type[EngineError]] = {

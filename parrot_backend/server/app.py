@@ -20,6 +20,7 @@ from .settings import ServerSettings
 from .state import ServerState
 
 if TYPE_CHECKING:
+    from .engine_registry import EngineRegistry
     from .runtime import NativeRuntime
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ def create_app(
     *,
     settings: ServerSettings | None = None,
     native: NativeRuntime | None = None,
+    registry: EngineRegistry | None = None,
 ) -> FastAPI:
     """Build the app. With `settings.manage_engine` the lifespan starts and stops the engine;
     otherwise the caller owns it. With `native` (store + manager, `runtime.py`) the native
@@ -60,9 +62,13 @@ def create_app(
         try:
             if native is not None:
                 await native.start()
+            if registry is not None:
+                await _maybe_await(registry.start())
             try:
                 yield
             finally:
+                if registry is not None:
+                    await _maybe_await(registry.stop())
                 if native is not None:
                     await native.stop()
         finally:
@@ -87,6 +93,8 @@ def create_app(
         app.include_router(native_api.router)
         app.include_router(native_events.router)
         app.include_router(native_workflows.router)
+    if registry is not None:  # remote engines register here (operator key)
+        app.include_router(registry.router)
     # Added last = outermost: auth first (cheap, rejects strangers before we buffer their
     # bodies), then the body limit, then FastAPI.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,

@@ -18,6 +18,9 @@ from .errors import error_body
 from .settings import ServerSettings
 
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+# routes that check the operator key themselves (engine registration): tenant keys are not
+# what protects them, so the tenant middleware lets them through to that check
+OPERATOR_PREFIX = "/v1/engines"
 LOCAL_TENANT = "local"  # the tenant of every request when auth is off (loopback only)
 
 
@@ -73,7 +76,8 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        if scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if path in OPEN_PATHS or path == OPERATOR_PREFIX or path.startswith(OPERATOR_PREFIX + "/"):
             state["tenant"] = None
             await self.app(scope, receive, send)
             return

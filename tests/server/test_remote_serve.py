@@ -1,0 +1,99 @@
+"""`serve` with two remote engine processes: prefix locality, and an engine killed mid-run
+loses no run (its calls run elsewhere; outputs equal a replay on the survivors)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from .test_recovery_process import Serve, detail
+from .test_remote_engine import STARTUP_S, EngineProcess
+from .test_remote_engine_registry import OP, OPERATOR_KEY
+
+SYSTEM = "You are a careful assistant. Answer in a few words, plainly and politely. "
+
+
+def one_call(question: str) -> dict:
+    return {"program": {"calls": [{"name": "c", "template": SYSTEM + "Q: {{input:q}} A: "
+                                   "{{output:a}}", "outputs": {"a": {"max_tokens": 4}}}]},
+            "inputs": {"q": question}, "outputs": {"a": "latency"}}
+
+
+def fan_out() -> dict:
+    calls = [{"name": f"w{i}", "template": f"Worker {i} writes about {{{{input:t}}}}: "
+              f"{{{{output:p{i}}}}}", "outputs": {f"p{i}": {"max_tokens": 48}}}
+             for i in range(4)]
+    parts = " ".join(f"{{{{input:p{i}}}}}" for i in range(4))
+    calls.append({"name": "merge", "template": f"Merge {parts} into {{{{output:m}}}}",
+                  "outputs": {"m": {"max_tokens": 8}}})
+    return {"program": {"calls": calls}, "inputs": {"t": "parrots"}, "outputs": {"m": "latency"}}
+
+
+def value(url: str, run_id: str, name: str) -> str:
+    r = httpx.get(f"{url}/v1/runs/{run_id}/variables/{name}",
+                  params={"timeout": 120, "perf": "latency"}, timeout=130)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body.get("status", "ready") == "ready", body
+    return body["value"]
+
+
+def engines(url: str) -> set[str]:
+    r = httpx.get(f"{url}/v1/engines", headers=OP, timeout=10)
+    assert r.status_code == 200, r.text
+    return {e["engine_id"] for e in r.json()}
+
+
+def wait_for(predicate, timeout: float = STARTUP_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def test_remote_engines_share_prefixes_and_survive_an_engine_death(tiny_model_dir, tmp_path):
+    serve = Serve(tiny_model_dir, tmp_path, None)
+    serve.cmd += ["--operator-key", OPERATOR_KEY]
+    url = serve.start()
+    procs = [EngineProcess(tiny_model_dir, tmp_path, "--manager", url, "--manager-key",
+                           OPERATOR_KEY, "--engine-id", eid) for eid in ("r1", "r2")]
+    try:
+        wait_for(lambda: engines(url) == {"r1", "r2"})
+        # prefix locality: later runs with the same system prompt follow its holder
+        holders = []
+        for q in ("What is a parrot?", "Where do parrots live?", "Do parrots talk?"):
+            run_id = httpx.post(f"{url}/v1/runs", json=one_call(q), timeout=30).json()["run_id"]
+            value(url, run_id, "a")
+            holders.append(detail(url, run_id)["calls"][0]["engine"])
+        assert len(set(holders)) == 1, holders
+
+        # an engine dies while it runs calls of a run: the run still finishes
+        run_id = httpx.post(f"{url}/v1/runs", json=fan_out(), timeout=30).json()["run_id"]
+
+        def running_remotely() -> str | None:
+            for call in detail(url, run_id)["calls"]:
+                if call["status"] in ("claimed", "running") and call["engine"] in ("r1", "r2"):
+                    return call["engine"]
+            return None
+
+        wait_for(lambda: running_remotely() is not None, 60)
+        victim = running_remotely()
+        [proc] = [p for p, eid in zip(procs, ("r1", "r2"), strict=True) if eid == victim]
+        proc.kill()
+        merged = value(url, run_id, "m")
+        final = detail(url, run_id)
+        assert final["run"]["status"] == "done"
+        assert all(c["engine"] != victim for c in final["calls"])
+        assert max(c["attempts"] for c in final["calls"]) >= 2  # some call ran again
+        wait_for(lambda: victim not in engines(url), 30)
+        # greedy outputs equal a replay of the same run on the engines that are left
+        again = httpx.post(f"{url}/v1/runs/{run_id}/replay", json={}, timeout=30)
+        assert again.status_code in (200, 201), again.text
+        assert value(url, again.json()["run_id"], "m") == merged
+    finally:
+        for proc in procs:
+            proc.kill()
+        serve.stop()

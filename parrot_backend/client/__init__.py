@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from .backend import Backend, InProcessBackend, run_async, run_sync
 from .function import SemanticFunction, semantic_function
+from .http import HttpBackend, ServerError
 from .session import SemanticVariable, Session, current_session, set_backend
 
 __all__ = [
     "Backend",
+    "HttpBackend",
     "InProcessBackend",
     "SemanticFunction",
     "SemanticVariable",
+    "ServerError",
     "Session",
     "current_session",
     "run_async",

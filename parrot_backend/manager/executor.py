@@ -193,6 +193,19 @@ class Manager:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    def counts(self) -> dict[str, int]:
+        """Gauges and counters for metrics: calls waiting for an engine, calls running,
+        runs held in memory, calls dispatched, shared-prefix fills and forks."""
+        return {
+            "pending_calls": len(self._pending),
+            "running_calls": sum(load.batch for load in self._load.values()),
+            "runs": len(self.runs),
+            "engines": len(self.engines),
+            "calls_dispatched": self.calls_dispatched,
+            "prefix_fills": sum(self.sharing.fills.values()),
+            "prefix_forks": sum(self.sharing.forks.values()),
+        }
+
     # ------------------------------------------------------------------ engines
     def add_engine(self, engine_id: str, engine: EngineClient) -> None:
         """Put an engine in service (a remote engine that registered)."""

@@ -90,6 +90,7 @@ def create_app(
         from . import native_api, native_events, native_workflows
 
         app.state.native = native
+        metrics.watch_manager(native.manager)
         app.include_router(native_api.router)
         app.include_router(native_events.router)
         app.include_router(native_workflows.router)

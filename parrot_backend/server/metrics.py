@@ -48,6 +48,27 @@ class _EngineCollector(Collector):
                                   value=s.preemptions)
 
 
+class _ManagerCollector(Collector):
+    """The manager's queue and load, read at scrape time (native runs)."""
+
+    GAUGES = {"pending_calls": "Ready calls waiting for an engine",
+              "running_calls": "Calls running on engines", "runs": "Runs held in memory",
+              "engines": "Engines in service"}
+    COUNTERS = {"calls_dispatched": "Calls dispatched to engines",
+                "prefix_fills": "Shared prefixes filled", "prefix_forks":
+                "Calls forked from a shared prefix"}
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator:
+        counts = self.manager.counts()
+        for name, doc in self.GAUGES.items():
+            yield GaugeMetricFamily(f"parrot_manager_{name}", doc, value=counts[name])
+        for name, doc in self.COUNTERS.items():
+            yield CounterMetricFamily(f"parrot_manager_{name}", doc, value=counts[name])
+
+
 class ServerMetrics:
     """The server's own counters plus the engine's state at scrape time."""
 
@@ -73,6 +94,10 @@ class ServerMetrics:
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
+
+    def watch_manager(self, manager) -> None:
+        """Export the manager's queue and load (when the app serves native runs)."""
+        self.registry.register(_ManagerCollector(manager))
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()

@@ -8,13 +8,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from ..engine.interface import EngineClient
 from . import openai_api, ops
 from .auth import OPEN_PATHS, Authenticator, AuthMiddleware
 from .errors import install_error_handlers
-from .limits import BodyLimitMiddleware, InflightLimiter
+from .limits import BodyLimitMiddleware, InflightLimiter, check_backlog
 from .metrics import ServerMetrics
 from .settings import ServerSettings
 from .state import ServerState
@@ -91,9 +91,10 @@ def create_app(
 
         app.state.native = native
         metrics.watch_manager(native.manager)
-        app.include_router(native_api.router)
+        backlog = [Depends(check_backlog)]  # 429 while too many calls wait for engines
+        app.include_router(native_api.router, dependencies=backlog)
         app.include_router(native_events.router)
-        app.include_router(native_workflows.router)
+        app.include_router(native_workflows.router, dependencies=backlog)
     if registry is not None:  # remote engines register here (operator key)
         app.include_router(registry.router)
     # Added last = outermost: auth first (cheap, rejects strangers before we buffer their

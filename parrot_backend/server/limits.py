@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError, error_body
@@ -118,3 +119,29 @@ class Slot:
         if self._limiter is not None:
             self._limiter.inflight -= 1
             self._limiter = None
+
+
+def _starts_work(method: str, path: str) -> bool:
+    """Native requests that add calls to the manager's queue."""
+    if method != "POST":
+        return False
+    return (path == "/v1/runs" or path.endswith("/calls") or path.endswith("/replay")
+            or (path.startswith("/v1/workflows/") and path.endswith("/runs")))
+
+
+def check_backlog(request: Request) -> None:
+    """FastAPI dependency for the native routers: 429 + Retry-After while the manager has
+    `max_pending_calls` ready calls waiting for an engine, so a burst of runs cannot grow
+    the queue (and memory) without bound."""
+    if not _starts_work(request.method, request.url.path):
+        return
+    settings = request.app.state.parrot.settings
+    pending = request.app.state.native.manager.counts()["pending_calls"]
+    if pending >= settings.max_pending_calls:
+        raise APIError(
+            429,
+            f"server busy: {pending} calls wait for an engine (limit "
+            f"{settings.max_pending_calls}); retry later",
+            code="server_overloaded",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )

@@ -38,6 +38,7 @@ class ServerSettings:
     max_model_len: int | None = None  # defaults to the engine's max_model_len
     max_body_bytes: int = 1 << 20
     max_inflight: int = 256  # generating requests at once; beyond it 429
+    max_pending_calls: int = 10_000  # native calls waiting for an engine; beyond it 429
     retry_after_s: int = 1
     max_n: int = 8  # largest `n` (choices per request) accepted
     max_stop_sequences: int = 16
@@ -68,7 +69,8 @@ class ServerSettings:
                 f"authentication is off but the server would listen on {self.host!r}; "
                 "configure API keys or listen on a loopback address (127.0.0.1, ::1)"
             )
-        for name in ("max_body_bytes", "max_inflight", "max_n", "max_stop_sequences"):
+        for name in ("max_body_bytes", "max_inflight", "max_pending_calls", "max_n",
+                     "max_stop_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.retry_after_s < 0:

@@ -25,3 +25,33 @@ async def test_metrics_count_dispatched_calls_and_shared_prefix_use(tmp_path):
     assert _value(after, "parrot_manager_calls_dispatched_total") == len(CHAIN)
     assert _value(after, "parrot_manager_pending_calls") == 0
     assert _value(after, "parrot_manager_engines") == 1
+
+
+async def test_new_work_gets_429_while_the_backlog_is_full(tmp_path):
+    import asyncio
+
+    from parrot_backend.manager.executor import ManagerConfig
+    from parrot_backend.manager.policy import PolicyConfig
+    from parrot_backend.manager.scripted import ScriptedEngine
+    from parrot_backend.server import ServerSettings
+
+    from .native_support import KEYS, echo
+
+    gate = asyncio.Event()  # the engine holds its one call: later calls wait in the queue
+    settings = ServerSettings(api_keys=dict(KEYS), max_pending_calls=2, retry_after_s=3)
+    async with native_app(tmp_path, engine=ScriptedEngine(reply=echo, gate=gate),
+                          settings=settings,
+                          manager_config=ManagerConfig(policy=PolicyConfig(max_batch=1))) \
+            as (c, rt):
+        statuses = []
+        for _ in range(6):
+            r = await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))
+            statuses.append(r.status_code)
+            if r.status_code == 429:
+                assert r.headers["Retry-After"] == "3"
+                assert "retry later" in r.json()["error"]["message"]
+            await asyncio.sleep(0.05)  # let the dispatcher place what it can
+        assert statuses[0] == 201 and 429 in statuses, statuses
+        assert rt.manager.counts()["pending_calls"] <= 2 + 1
+        assert (await c.get("/v1/runs")).status_code == 200  # reads are never refused
+        gate.set()

@@ -18,6 +18,7 @@ from parrot_backend.store import NotFoundError, RunDetail, RunRecord, VariableRe
 from .errors import APIError
 from .native_errors import client_errors, not_found
 from .native_schemas import (
+    SQL_INT_MAX,
     AddCallsRequest,
     CallsAdded,
     CallView,
@@ -93,7 +94,7 @@ async def list_runs(
     rt: RuntimeDep, tenant: TenantDep,
     status: Literal["pending", "running", "done", "failed", "cancelled"] | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
 ) -> RunList:
     """The tenant's runs, newest first."""
     tenant_id = await rt.tenant_id(tenant)

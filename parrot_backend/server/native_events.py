@@ -25,6 +25,7 @@ from parrot_backend.store import EventRecord
 
 from .errors import APIError
 from .native_api import RuntimeDep, TenantDep, owned
+from .native_schemas import SQL_INT_MAX
 from .runtime import NativeRuntime
 from .state import StateDep
 
@@ -46,7 +47,7 @@ def parse_last_id(value: str | None) -> int:
         seq = int(value.strip())
     except ValueError:
         seq = -1
-    if seq < 0:
+    if not 0 <= seq <= SQL_INT_MAX:  # beyond SQL's integers no event id exists
         raise APIError(400, f"Last-Event-ID must be an event id (a seq >= 0), got {value!r}",
                        param="Last-Event-ID")
     return seq
@@ -95,7 +96,8 @@ async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
 async def run_events(
     run_id: str, rt: RuntimeDep, tenant: TenantDep, state: StateDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-    after: Annotated[int | None, Query(ge=0, description="same as Last-Event-ID")] = None,
+    after: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX,
+                                       description="same as Last-Event-ID")] = None,
 ) -> EventSourceResponse:
     """The run's events (`run_created`, `objectives`, `call_started`, `token`,
     `variable_ready`, `call_finished`, `run_finished`, ...) as SSE. Reconnect with

@@ -16,6 +16,11 @@ from parrot_backend.program.template import NAME_PATTERN
 
 WorkflowName = Field(pattern=f"^{NAME_PATTERN}$", max_length=200)
 
+# The largest integer SQL BIGINT and SQLite INTEGER hold. Client integers that reach a
+# query (offsets, event seqs, versions) are bounded by it: a larger one made the driver
+# raise OverflowError, a 500 (or a stream cut off after its 200), instead of a 400.
+SQL_INT_MAX = 2**63 - 1
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -55,7 +60,7 @@ class StartWorkflowRequest(_Strict):
 
     inputs: dict[str, str] = Field(default_factory=dict)
     outputs: dict[str, Criterion] = Field(default_factory=dict)
-    version: int | None = Field(None, ge=1)
+    version: int | None = Field(None, ge=1, le=SQL_INT_MAX)
 
 
 class RunCreated(BaseModel):

@@ -102,6 +102,13 @@ CASES = [
      400, "nope"),
     ("replay-unknown-run", "POST", "/v1/runs/{missing}/replay", {}, 404, "no run"),
     ("list-limit-zero", "GET", "/v1/runs?limit=0", None, 400, "limit"),
+    # integers beyond SQL's int64 once reached the driver (OverflowError, a 500; for the
+    # event stream a response cut off after its 200): found by test_fuzz_native.py
+    ("list-offset-beyond-sql", "GET", f"/v1/runs?offset={2**63}", None, 400, "offset"),
+    ("events-after-beyond-sql", "GET", f"/v1/runs/{{closed}}/events?after={2**63}", None,
+     400, "after"),
+    ("workflow-version-beyond-sql", "POST", "/v1/workflows/good/runs",
+     {"inputs": {"x": "1"}, "version": 2**63}, 400, "version"),
     ("list-bad-status", "GET", "/v1/runs?status=sleeping", None, 400, "status"),
 ]
 
@@ -131,6 +138,33 @@ async def test_bad_input_is_a_clear_4xx(tmp_path, method, path, body, status, sa
         # the server keeps serving
         ok = await c.get(f"/v1/runs/{ids['closed']}/variables/y", params={"timeout": 5})
         assert ok.status_code == 200 and ok.json()["value"] == "<go>"
+
+
+async def test_integers_at_the_sql_limit(tmp_path) -> None:
+    """The largest int64 is served normally; one more (in the Last-Event-ID header too,
+    which the battery above cannot send) is a 400, never a 500 from the SQL driver."""
+    async with native_app(tmp_path) as (c, rt):
+        run_id = (await c.post("/v1/runs", json=GOOD)).json()["run_id"]
+        assert sse_events((await c.get(f"/v1/runs/{run_id}/events")).text)  # finished
+        await c.post("/v1/workflows", json={"name": "good", "program": {"calls": [A]}})
+        top = 2**63 - 1
+
+        r = await c.get("/v1/runs", params={"offset": top})
+        assert r.status_code == 200 and r.json() == {"runs": []}, r.text
+        r = await c.get(f"/v1/runs/{run_id}/events", params={"after": top})
+        assert r.status_code == 200 and sse_events(r.text) == [], r.text
+        r = await c.get(f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": str(top)})
+        assert r.status_code == 200 and sse_events(r.text) == [], r.text
+        r = await c.post("/v1/workflows/good/runs", json={"inputs": {"x": "1"},
+                                                          "version": top})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "workflow_not_found"
+
+        r = await c.get(f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": str(top + 1)})
+        assert r.status_code == 400, r.text
+        assert "Last-Event-ID" in r.json()["error"]["message"]
+        # still serving
+        r = await c.get(f"/v1/runs/{run_id}/variables/y", params={"timeout": 5})
+        assert r.status_code == 200 and r.json()["value"] == "<go>"
 
 
 def test_battery_is_large_enough() -> None:

@@ -37,3 +37,14 @@ class RequestCancelled(EngineError):
 class EngineUnavailable(EngineError):
     """The engine cannot be reached (a remote engine died or its connection broke): the
     manager takes it out of service and dispatches its calls elsewhere."""
+
+
+# The engine API's status for each error (the class name travels as the error `type`);
+# the server side (server/engine_api.py) and the client side (engine/remote.py) share it.
+HTTP_STATUS: dict[type[EngineError], int] = {
+    InvalidRequest: 400,
+    ContextNotFound: 404,
+    ContextBusy: 409,
+    OutOfMemory: 507,
+    RequestCancelled: 503,
+}

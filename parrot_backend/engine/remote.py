@@ -39,34 +39,23 @@ from typing import Any
 import httpx
 
 from .errors import (
-    ContextBusy,
-    ContextNotFound,
+    HTTP_STATUS,
     EngineError,
     EngineUnavailable,
     InvalidRequest,
-    OutOfMemory,
-    RequestCancelled,
 )
 from .interface import EngineStats, TokenDelta
 from .sampling import SamplingParams
 
 # error `type` names the engine API sends -> our classes
-_BY_TYPE: dict[str, type[EngineError]] = {
-    "InvalidRequest": InvalidRequest,
-    "ContextNotFound": ContextNotFound,
-    "ContextBusy": ContextBusy,
-    "OutOfMemory": OutOfMemory,
-    "RequestCancelled": RequestCancelled,
-    "EngineError": EngineUnavailable,
-}
-# fallback when a body carries no type (a proxy's page, an older server)
+_BY_TYPE: dict[str, type[EngineError]] = {cls.__name__: cls for cls in HTTP_STATUS}
+_BY_TYPE["EngineError"] = EngineUnavailable
+# fallback when a body carries no type (a proxy's page, an older server); 503 is not here:
+# it means the engine stopped, which the caller sees as unavailable
 _BY_STATUS: dict[int, type[EngineError]] = {
-    400: InvalidRequest,
-    422: InvalidRequest,
-    404: ContextNotFound,
-    409: ContextBusy,
-    507: OutOfMemory,
+    status: cls for cls, status in HTTP_STATUS.items() if status != 503
 }
+_BY_STATUS[422] = InvalidRequest
 
 _STAT_FIELDS = frozenset(f.name for f in fields(EngineStats))
 _INFO_FIELDS = frozenset({"model_name", "vocab_size", "max_model_len", "block_size"})

@@ -45,12 +45,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.errors import (
+    HTTP_STATUS,
     ContextBusy,
     ContextNotFound,
     EngineError,
-    InvalidRequest,
-    OutOfMemory,
-    RequestCancelled,
 )
 from ..engine.interface import EngineStats
 from ..engine.sampling import SamplingParams
@@ -63,14 +61,7 @@ HEALTH_PATH = "/healthz"  # the only route that answers without a key (for super
 PING_S = 15.0
 SEND_TIMEOUT_S = 60.0  # a manager that stops reading its stream is dropped after this
 
-# status per engine error class; the class name travels as the error `type`
-STATUS = {
-    InvalidRequest: 400,
-    ContextNotFound: 404,
-    ContextBusy: 409,
-    OutOfMemory: 507,
-    RequestCancelled: 503,
-}
+STATUS = HTTP_STATUS  # status per engine error class; the class name travels as `type`
 
 ContextId = StrictInt | StrictStr  # strict: "1" must not silently become 1 (or True 1)
 

@@ -3,15 +3,31 @@
     .venv/bin/python benchmarks/engine_memory.py
 """
 
-import asyncio, resource
+from __future__ import annotations
+
+import asyncio
+import resource
+
 from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.runner import ModelRunner
 from parrot_backend.engine.sampling import SamplingParams
-eng = Engine.from_pretrained(progress=False)
-async def main():
-    async with eng:
-        await eng.fill("a", None, eng.tokenize("Parrots are birds. " * 50))
-        async for _ in eng.generate("a", None, SamplingParams(max_tokens=16)): pass
-asyncio.run(main())
-s = eng.stats_now()
-print("blocks", s.blocks_total, "pool MiB", s.blocks_total * eng.runner.bytes_per_block(eng.runner.config, 16, eng.dtype) / 2**20)
-print("peak RSS MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+async def serve_once(engine: Engine) -> None:
+    async with engine:
+        await engine.fill("a", None, engine.tokenize("Parrots are birds. " * 50))
+        async for _ in engine.generate("a", None, SamplingParams(max_tokens=16)):
+            pass
+
+
+def main() -> None:
+    engine = Engine.from_pretrained(progress=False)
+    asyncio.run(serve_once(engine))
+    s = engine.stats_now()
+    per_block = ModelRunner.bytes_per_block(engine.runner.config, s.block_size, engine.dtype)
+    print(f"KV pool: {s.blocks_total} blocks, {s.blocks_total * per_block / 2**20:.0f} MiB")
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

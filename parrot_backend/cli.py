@@ -114,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                         num_blocks=args.num_blocks)
-        runtime = NativeRuntime(store, {"engine-0": engine}, worker=args.worker_id)
+        runtime = NativeRuntime(store, {"engine-0": engine}, worker=args.worker_id,
+                                owner_lease_s=args.run_lease)
         settings = ServerSettings(host=args.host, port=args.port, api_keys=keys,
                                   key_lookup=runtime.key_lookup if auth else None,
                                   auth=True if auth else None, manage_engine=True,
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-id", default=None,
                    help="this server's name in call claims (default: serve@<hostname>); "
                         "keep it stable across restarts")
+    s.add_argument("--run-lease", type=float, default=30.0,
+                   help="seconds this server holds its runs without renewing; servers "
+                        "sharing a database adopt the runs of one that stops (default 30)")
     s.add_argument("--operator-key", default=os.environ.get("PARROT_OPERATOR_KEY"),
                    help="accept remote engines that register with this key "
                         "(default: $PARROT_OPERATOR_KEY; none: no remote engines)")

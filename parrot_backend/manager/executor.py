@@ -71,6 +71,7 @@ from .runs import (
     RunCancelled,
     RunClosedError,
     RunNotFound,
+    RunOwnedElsewhere,
     RunStatus,
     VariableFailed,
 )
@@ -433,6 +434,27 @@ class Manager:
         """The run's events with seq > `after`, then live ones until the run ends."""
         return self._run(run_id).log.subscribe(after)
 
+    async def abandon(self, run_id: str) -> None:
+        """Drop a run that another manager owns: its calls here stop and free their
+        contexts, waiters get RunCancelled, and no event is recorded."""
+        run = self.runs.pop(run_id, None)
+        if run is None:
+            return
+        run.state = "cancelled"  # in memory only: the owner records the run's real end
+        for name in list(run.queued):
+            self._unqueue(run, name)
+        me = asyncio.current_task()
+        tasks = [t for t in run.tasks.values() if t is not me]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for fut in run.futures.values():
+            if not fut.done():
+                fut.set_exception(RunCancelled(f"run {run_id} is run by another manager"))
+                fut.exception()
+        run.futures.clear()
+        run.log.close()
+
     async def forget(self, run_id: str) -> None:
         """Drop a run from memory (cancelling it first if it still runs)."""
         await self.cancel(run_id)
@@ -739,6 +761,13 @@ class Manager:
         except asyncio.CancelledError:
             await self._cleanup(runner, engine_id, keys)
             raise
+        except RunOwnedElsewhere:
+            # another manager sharing the store holds this call: the run is theirs
+            await self._cleanup(runner, engine_id, keys)
+            run.tasks.pop(name, None)
+            log.info("run %s is run by another manager; dropping it here", run.run_id)
+            await self.abandon(run.run_id)
+            return
         except EngineUnavailable:
             # the engine is gone, not the call's fault: retire it and run the call elsewhere
             await self._cleanup(runner, engine_id, keys)

@@ -41,6 +41,11 @@ class RunCancelled(RuntimeError):
     """The run was cancelled before the variable got a value."""
 
 
+class RunOwnedElsewhere(RuntimeError):
+    """Raised by a listener: another manager (sharing the store) runs this run's calls, so
+    this manager drops its copy of the run without recording anything."""
+
+
 @dataclass(slots=True)
 class CallStatus:
     """One call as `run_status` reports it."""

@@ -171,6 +171,9 @@ async def wait_value(rt: NativeRuntime, run_id: str, name: str,
         return await rt.manager.get(run_id, name, perf=perf, timeout=timeout)
 
 
+STORE_POLL_S = 0.2  # how often a server polls the store for a run another server runs
+
+
 @router.get("/runs/{run_id}/variables/{name}", response_model=VariableView,
             responses={408: {"description": "not ready within `timeout`; ask again"}})
 async def get_variable(
@@ -198,15 +201,23 @@ async def get_variable(
         except RunNotFound:
             pass  # finished and forgotten meanwhile: the store has the answer
     tenant_id = await rt.tenant_id(tenant)
-    try:
-        var = await asyncio.to_thread(rt.store.get_variable, tenant_id, run_id, name)
-    except NotFoundError as exc:
-        raise APIError(404, str(exc), code="variable_not_found") from None
-    if var.status == "pending":
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            var = await asyncio.to_thread(rt.store.get_variable, tenant_id, run_id, name)
+        except NotFoundError as exc:
+            raise APIError(404, str(exc), code="variable_not_found") from None
+        if var.status != "pending":
+            return variable_view(var)
         run = await owned(rt, tenant, run_id)
-        raise APIError(409, f"run {run_id} is {run.status}; variable {name!r} will not be "
-                            "produced", code="run_over")
-    return variable_view(var)
+        if run.status not in ("pending", "running"):
+            raise APIError(409, f"run {run_id} is {run.status}; variable {name!r} will not "
+                                "be produced", code="run_over")
+        # another server sharing the database runs it (or is about to adopt it): poll
+        if asyncio.get_running_loop().time() >= deadline:
+            raise APIError(408, f"variable {name!r} not ready after {timeout:g} s; "
+                                "ask again", code="timeout")
+        await asyncio.sleep(STORE_POLL_S)
 
 
 @router.post("/runs/{run_id}/cancel", response_model=RunSummary)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+from parrot_backend.manager.runs import RunOwnedElsewhere
 from parrot_backend.program import CallSpec
 from parrot_backend.store import CallRecord, Store
 from parrot_backend.store.columns import utcnow
@@ -93,8 +94,10 @@ class StorePersister:
         *,
         flush_interval_s: float = 0.02,
         lease_s: float = 60.0,
+        owner_lease_s: float = 30.0,
     ) -> None:
         self.store = store
+        self.owner_lease_s = owner_lease_s  # how long this process holds its runs unrenewed
         self.worker = worker
         self.notifier = notifier
         self.flush_interval_s = flush_interval_s
@@ -184,7 +187,8 @@ class StorePersister:
         detail = await self._db(
             st.create_run, meta.tenant_id, program, calls, payload["inputs"],
             payload["outputs"], open=payload["open"], workflow_id=meta.workflow_id,
-            replay_of=meta.replay_of, run_id=run_id, events=events)
+            replay_of=meta.replay_of, run_id=run_id, events=events, owner=self.worker,
+            owner_lease_s=self.owner_lease_s)
         meta.set_calls(detail.calls)
 
     async def _on_calls_added(self, run_id: str, meta: RunMeta, payload: dict,
@@ -231,8 +235,9 @@ class StorePersister:
         held = await self._db(st.hold_call, meta.call_ids[call], self.worker,
                               engine=payload.get("engine"), lease_s=self.lease_s,
                               events=events)
-        if not held:  # another process runs it: this manager must not
-            raise RuntimeError(f"call {call!r} of run {run_id} is held by another worker")
+        if not held:  # another process runs it: this manager must not, nor record anything
+            self.drop(run_id)
+            raise RunOwnedElsewhere(f"call {call!r} of run {run_id} is held by another worker")
 
     async def _on_variable_ready(self, run_id: str, meta: RunMeta, payload: dict,
                                  events: list) -> None:

@@ -10,6 +10,7 @@ manager as known values (never recomputed), calls not done run again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import uuid
@@ -48,13 +49,19 @@ class NativeRuntime:
         keep_finished_s: float = 60.0,
         flush_interval_s: float = 0.05,
         persist: bool = True,
+        owner_lease_s: float = 30.0,
     ) -> None:
         self.store = store
         self.worker = worker or default_worker()
         self.salt_secret = salt_secret or uuid.uuid4().bytes
         self.notifier = Notifier()
         self.persister = StorePersister(store, self.worker, self.notifier,
-                                        flush_interval_s=flush_interval_s)
+                                        flush_interval_s=flush_interval_s,
+                                        owner_lease_s=owner_lease_s)
+        # several servers may share one database: each runs the runs it owns, renews its
+        # lease on them, and adopts the runs of a server whose lease ran out
+        self.owner_lease_s = owner_lease_s
+        self._ownership: asyncio.Task[None] | None = None
         listeners: list[Any] = [self.persister, self] if persist else [self]
         self.manager = Manager(engines, config=manager_config, listeners=listeners)
         self.keep_finished_s = keep_finished_s
@@ -68,11 +75,16 @@ class NativeRuntime:
         self.persister.start()
         await self.manager.start()
         self.recovered = await self.recover()
+        self._ownership = asyncio.create_task(self._keep_ownership(), name="parrot-owner")
 
     async def stop(self) -> None:
         """Persist what is buffered and stop. Runs still going stay unfinished in the
         store (the manager's cancellation on stop is not persisted): the next start
         resumes them."""
+        if self._ownership is not None:
+            self._ownership.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ownership
         await self.persister.stop()
         await self.manager.stop()
         for task in list(self._forget_tasks):
@@ -149,13 +161,21 @@ class NativeRuntime:
             self.persister.drop(run_id)
 
     # ------------------------------------------------------------------ recovery
-    async def recover(self) -> list[str]:
-        """Resume every unfinished run in the store; returns their ids."""
+    async def recover(self, *, at_start: bool = True) -> list[str]:
+        """Resume the unfinished runs in the store that no other live server owns (each
+        one claimed first); returns their ids."""
         st = self.store
-        await asyncio.to_thread(st.release_worker_claims, self.worker)
+        if at_start:  # what a previous life of this server held is free again
+            await asyncio.to_thread(st.release_worker_claims, self.worker)
         resumed = []
         for unfinished in await asyncio.to_thread(st.unfinished_runs):
             run_id = unfinished.run.id
+            if run_id in self.manager.runs:
+                continue
+            # another live server owns it: it is theirs (we adopt it if their lease lapses)
+            if not await asyncio.to_thread(st.claim_run, run_id, self.worker,
+                                           lease_s=self.owner_lease_s):
+                continue
             try:
                 await self._resume(unfinished.run)
                 resumed.append(run_id)
@@ -167,6 +187,23 @@ class NativeRuntime:
         if resumed:
             log.info("resumed %d unfinished run(s)", len(resumed))
         return resumed
+
+    async def _keep_ownership(self) -> None:
+        """Renew the lease on our runs; adopt runs whose owner stopped renewing (it died):
+        their ready values are kept and their unfinished calls run here."""
+        while True:
+            await asyncio.sleep(self.owner_lease_s / 3)
+            try:
+                await asyncio.to_thread(self.store.renew_runs, self.worker,
+                                        lease_s=self.owner_lease_s)
+                orphans = await asyncio.to_thread(self.store.adoptable_runs, self.worker)
+                if any(r not in self.manager.runs for r in orphans):
+                    await asyncio.to_thread(self.store.release_expired_claims)
+                    adopted = await self.recover(at_start=False)
+                    if adopted:
+                        log.info("adopted %d run(s) of a server that stopped", len(adopted))
+            except Exception:  # a database hiccup: try again next round
+                log.exception("renewing or adopting runs failed")
 
     async def _resume(self, record: RunRecord) -> None:
         tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant_id)

@@ -121,6 +121,11 @@ class Run(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # Last event seq handed out; bumping it under the row lock serialises appenders per run.
     event_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The manager process running this run (several may share one database) and until when
+    # its claim holds without renewal; an expired owner's runs are adopted by another.
+    owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    owner_lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(),
+                                                                     nullable=True)
 
 
 class Variable(Base):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -17,6 +17,7 @@ from parrot_backend.store.base import (
     variable_record,
 )
 from parrot_backend.store.columns import (
+    CALL_HELD,
     OBJECTIVES,
     RUN_FINISHED,
     RUN_STATUSES,
@@ -105,8 +106,11 @@ class RunsMixin(StoreBase):
         replay_of: str | None = None,
         events: Sequence[tuple[str, Any]] = (),
         run_id: str | None = None,
+        owner: str | None = None,
+        owner_lease_s: float = 30.0,
     ) -> RunDetail:
         """Persist a run with its variables and calls (all pending; inputs ready).
+        ``owner`` (a manager process) holds the run from the start (see `claim_run`).
 
         ``calls`` are descriptors ``{"name", "inputs", "outputs", "objective"?,
         "task_group"?}`` in program order (their position is the call index).
@@ -137,6 +141,9 @@ class RunsMixin(StoreBase):
                 created_at=now,
                 replay_of=replay_of,
                 event_seq=0,
+                owner=owner,
+                owner_lease_expires_at=(now + timedelta(seconds=owner_lease_s)
+                                        if owner else None),
             )
             s.add(run)
             for name, value in inputs.items():
@@ -302,3 +309,48 @@ class RunsMixin(StoreBase):
                     )
                 )
             return result
+
+    # ------------------------------------------------------------------ ownership
+    def claim_run(self, run_id: str, worker: str, *, lease_s: float) -> bool:
+        """Make ``worker`` the run's owner if nobody else holds it (no owner, the same
+        worker, or an expired lease). One conditional UPDATE: atomic on SQLite and
+        PostgreSQL, so of several managers sharing the database exactly one wins."""
+        now = utcnow()
+        with self._write() as s:
+            won = s.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.status.in_(RUN_UNFINISHED))
+                .where((Run.owner.is_(None)) | (Run.owner == worker)
+                       | (Run.owner_lease_expires_at < now))
+                .values(owner=worker, owner_lease_expires_at=now + timedelta(seconds=lease_s))
+            ).rowcount
+            if won:
+                # the previous owner stopped renewing: the calls it held are stale claims
+                s.execute(
+                    update(Call)
+                    .where(Call.run_id == run_id, Call.status.in_(CALL_HELD),
+                           Call.claimed_by != worker)
+                    .values(status="pending", claimed_by=None, lease_expires_at=None)
+                )
+        return bool(won)
+
+    def renew_runs(self, worker: str, *, lease_s: float) -> int:
+        """Extend the lease on every unfinished run ``worker`` owns; returns how many."""
+        with self._write() as s:
+            return s.execute(
+                update(Run)
+                .where(Run.owner == worker, Run.status.in_(RUN_UNFINISHED))
+                .values(owner_lease_expires_at=utcnow() + timedelta(seconds=lease_s))
+            ).rowcount
+
+    def adoptable_runs(self, worker: str) -> list[str]:
+        """Unfinished runs with no live owner other than ``worker`` (oldest first)."""
+        now = utcnow()
+        with self._read() as s:
+            return list(s.scalars(
+                select(Run.id)
+                .where(Run.status.in_(RUN_UNFINISHED))
+                .where((Run.owner.is_(None)) | (Run.owner == worker)
+                       | (Run.owner_lease_expires_at < now))
+                .order_by(Run.created_at)
+            ))

@@ -172,8 +172,8 @@ NEXT_REVISION = '''
 from alembic import op
 import sqlalchemy as sa
 
-revision = "0002_test_extra"
-down_revision = "0001_initial"
+revision = "9999_test_extra"
+down_revision = "{down}"
 branch_labels = None
 depends_on = None
 
@@ -191,9 +191,11 @@ def install_newer_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Pretend the code ships one more revision than the database has; returns its id."""
     migrations = tmp_path / "migrations"
     shutil.copytree(schema_mod.MIGRATIONS, migrations, ignore=shutil.ignore_patterns("__pycache__"))
-    (migrations / "versions" / "0002_test_extra.py").write_text(NEXT_REVISION)
+    current = head_revision()
+    (migrations / "versions" / "9999_test_extra.py").write_text(
+        NEXT_REVISION.replace("{down}", current))
     monkeypatch.setattr(schema_mod, "MIGRATIONS", migrations)
-    return "0002_test_extra"
+    return "9999_test_extra"
 
 
 def test_outdated_schema_refused_without_upgrade_then_upgraded(
@@ -204,9 +206,10 @@ def test_outdated_schema_refused_without_upgrade_then_upgraded(
     with Store(url) as store:
         tenant, key = store.create_tenant("acme")
     before = snapshot(path)
+    old_head = head_revision()
     new_head = install_newer_code(tmp_path, monkeypatch)
     assert head_revision() == new_head
-    with pytest.raises(SchemaOutdatedError, match="0001_initial"):
+    with pytest.raises(SchemaOutdatedError, match=old_head):
         Store(url, upgrade=False)
     with pytest.raises(SchemaOutdatedError):
         check(url)

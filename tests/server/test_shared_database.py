@@ -1,0 +1,58 @@
+"""Two `serve` processes on one database: a run is run by its owner only; when the owner
+dies, the other adopts the run (ready values kept) and finishes it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from .test_recovery_process import Serve, chain_spec, detail, read_events, ready
+
+
+def long_chain() -> dict:
+    """The recovery chain with longer outputs, so the run outlives the checks below."""
+    spec = chain_spec()
+    for call in spec["program"]["calls"]:
+        for config in call["outputs"].values():
+            config["max_tokens"] = 200
+    return spec
+
+
+def _resumes(url: str, run_id: str) -> int:
+    return sum(e.get("event") == "run_resumed" for e in read_events(url, run_id, None, 1.0))
+
+
+def test_a_live_owner_keeps_its_run_and_a_dead_ones_run_is_adopted(tiny_model_dir, tmp_path):
+    a = Serve(tiny_model_dir, tmp_path, None)
+    b = Serve(tiny_model_dir, tmp_path, None)  # same data dir: the same SQLite database
+    a.cmd[a.cmd.index("--worker-id") + 1] = "server-a"
+    b.cmd[b.cmd.index("--worker-id") + 1] = "server-b"
+    a.cmd += ["--run-lease", "3"]
+    b.cmd += ["--run-lease", "3"]
+    try:
+        url_a, url_b = a.start(), b.start()
+        run_id = httpx.post(f"{url_a}/v1/runs", json=long_chain(), timeout=30).json()["run_id"]
+        deadline = time.monotonic() + 60
+        while not ready(detail(url_a, run_id)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # B's adoption rounds (every second) see A's live lease: B leaves the run alone
+        assert _resumes(url_b, run_id) == 0
+        kept = ready(detail(url_b, run_id))
+        a.kill()  # mid-run
+        assert kept and detail(url_b, run_id)["run"]["status"] in ("pending", "running")
+        r = httpx.get(f"{url_b}/v1/runs/{run_id}/variables/x6",
+                      params={"timeout": 120}, timeout=130)
+        assert r.status_code == 200, r.text
+        final = detail(url_b, run_id)
+        assert final["run"]["status"] == "done"
+        assert _resumes(url_b, run_id) == 1  # adopted once, by B
+        for name, (value, set_at) in kept.items():  # ready values were not recomputed
+            assert ready(final)[name] == (value, set_at)
+        again = httpx.post(f"{url_b}/v1/runs/{run_id}/replay", json={}, timeout=30).json()
+        r2 = httpx.get(f"{url_b}/v1/runs/{again['run_id']}/variables/x6",
+                       params={"timeout": 120}, timeout=130)
+        assert r2.json()["value"] == r.json()["value"]  # equal to an uninterrupted run
+    finally:
+        a.stop()
+        b.stop()

@@ -6,8 +6,16 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
-from .test_recovery_process import Serve, chain_spec, detail, read_events, ready
+from .test_recovery_process import (  # noqa: F401  (pg_database is a fixture)
+    Serve,
+    chain_spec,
+    detail,
+    pg_database,
+    read_events,
+    ready,
+)
 
 
 def long_chain() -> dict:
@@ -24,8 +32,17 @@ def _resumes(url: str, run_id: str) -> int:
 
 
 def test_a_live_owner_keeps_its_run_and_a_dead_ones_run_is_adopted(tiny_model_dir, tmp_path):
-    a = Serve(tiny_model_dir, tmp_path, None)
-    b = Serve(tiny_model_dir, tmp_path, None)  # same data dir: the same SQLite database
+    shared_database(tiny_model_dir, tmp_path, None)  # same data dir: one SQLite file
+
+
+@pytest.mark.postgres
+def test_two_servers_share_one_postgresql(tiny_model_dir, tmp_path, pg_database):  # noqa: F811
+    shared_database(tiny_model_dir, tmp_path, pg_database)
+
+
+def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
+    a = Serve(tiny_model_dir, tmp_path, url)
+    b = Serve(tiny_model_dir, tmp_path, url)
     a.cmd[a.cmd.index("--worker-id") + 1] = "server-a"
     b.cmd[b.cmd.index("--worker-id") + 1] = "server-b"
     a.cmd += ["--run-lease", "3"]

@@ -378,9 +378,6 @@ class Engine:
             steps=self.steps,
         )
 
-    def context_length(self, context_id: Hashable) -> int:
-        return len(self._get(context_id).tokens)
-
     def context_tokens(self, context_id: Hashable) -> list[int]:
         return list(self._get(context_id).tokens)
 

@@ -61,6 +61,12 @@ class AttentionBackend(ABC):
         without a shared-prefix kernel never group."""
         return False
 
+    @property
+    def groups_prefixes(self) -> bool:
+        """Whether this backend has a shared-prefix path (it overrides `share_prefix`);
+        the engine builds prefix groups only for such backends."""
+        return type(self).share_prefix is not AttentionBackend.share_prefix
+
     @abstractmethod
     def store_kv(
         self,

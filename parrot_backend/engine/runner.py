@@ -88,7 +88,7 @@ class ModelRunner:
             block_tables=tables.to(dev),
             block_size=bs,
         )
-        if any(w.n == 1 for w in work):
+        if self.backend.groups_prefixes and any(w.n == 1 for w in work):
             meta.prefix_groups = find_prefix_groups(meta, self.backend.share_prefix)
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -24,6 +24,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .tokens import decode_tokens, encode_segment
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +246,10 @@ class Engine:
     # ----------------------------------------------------------------- primitives
     def tokenize(self, text: str) -> list[int]:
         """Token ids for a text segment, without special tokens added."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_segment(self.tokenizer, text)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return decode_tokens(self.tokenizer, token_ids)
 
     async def fill(
         self,

@@ -46,6 +46,7 @@ from .errors import (
 )
 from .interface import EngineStats, TokenDelta
 from .sampling import SamplingParams
+from .tokens import decode_tokens, encode_segment
 
 # error `type` names the engine API sends -> our classes
 _BY_TYPE: dict[str, type[EngineError]] = {cls.__name__: cls for cls in HTTP_STATUS}
@@ -244,10 +245,10 @@ class RemoteEngine:
     # ------------------------------------------------------------------ local
     def tokenize(self, text: str) -> list[int]:
         """Token ids for a text segment, without special tokens (as `Engine.tokenize`)."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_segment(self.tokenizer, text)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return decode_tokens(self.tokenizer, token_ids)
 
     # ------------------------------------------------------------------ primitives
     async def fill(

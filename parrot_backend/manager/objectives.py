@@ -29,8 +29,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import networkx as nx
-
 from parrot_backend.program import Criterion, Program, UnknownVariableError
 
 
@@ -65,6 +63,9 @@ class Deduction:
         return None if gid is None else self.groups[gid]
 
 
+_PLAIN = {c: CallObjective(c) for c in ("latency", "throughput")}  # frozen: shared
+
+
 def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
     """Deduce each call's objective from the variables clients wait for.
 
@@ -75,17 +76,24 @@ def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
         raise UnknownVariableError(
             f"waiting for unknown variables: {', '.join(map(repr, unknown))}"
         )
-    graph = program.call_graph()
-    latency = _latency_calls(program, graph, waits)
-    groups = _task_groups(program, graph, latency)
-    calls = {name: CallObjective("latency" if name in latency else "throughput") for name in graph}
+    # the call graph as plain lists: each call's distinct producers (its predecessors)
+    variables = program.variables
+    preds: dict[str, list[str]] = {}
+    for name, call in program.calls.items():
+        found = [p for v in call.inputs if (p := variables[v].producer) is not None]
+        preds[name] = found if len(found) < 2 else list(dict.fromkeys(found))
+    latency = _latency_calls(program, preds, waits)
+    groups = _task_groups(program, preds, latency)
+    calls = {name: _PLAIN["latency" if name in latency else "throughput"] for name in preds}
     for group in groups:
         for member in group.members:
             calls[member] = CallObjective(calls[member].objective, group.id)
     return Deduction(calls, groups)
 
 
-def _latency_calls(program: Program, graph: nx.DiGraph, waits: Mapping[str, Criterion]) -> set[str]:
+def _latency_calls(
+    program: Program, preds: Mapping[str, list[str]], waits: Mapping[str, Criterion]
+) -> set[str]:
     """Producers of latency-waited variables and all their ancestors."""
     stack = [
         producer
@@ -97,11 +105,13 @@ def _latency_calls(program: Program, graph: nx.DiGraph, waits: Mapping[str, Crit
         call = stack.pop()
         if call not in seen:
             seen.add(call)
-            stack.extend(graph.predecessors(call))
+            stack.extend(preds[call])
     return seen
 
 
-def _task_groups(program: Program, graph: nx.DiGraph, latency: set[str]) -> list[TaskGroup]:
+def _task_groups(
+    program: Program, preds: Mapping[str, list[str]], latency: set[str]
+) -> list[TaskGroup]:
     """Union the frontier producers of every fan-in call into groups."""
     parent: dict[str, str] = {}
 
@@ -112,13 +122,17 @@ def _task_groups(program: Program, graph: nx.DiGraph, latency: set[str]) -> list
         return call
 
     consumers: dict[str, list[str]] = {}  # a member of each group -> its consumers
-    for consumer in graph:
-        producers = list(graph.predecessors(consumer))
+    for consumer, producers in preds.items():
         if len(producers) < 2:
             continue
+        # every ancestor of any producer: a producer found here is upstream of another
         upstream: set[str] = set()
-        for p in producers:
-            upstream |= nx.ancestors(graph, p)
+        stack = [q for p in producers for q in preds[p]]
+        while stack:
+            call = stack.pop()
+            if call not in upstream:
+                upstream.add(call)
+                stack.extend(preds[call])
         frontier = [p for p in producers if p not in upstream]
         if len(frontier) < 2:
             continue
@@ -130,6 +144,9 @@ def _task_groups(program: Program, graph: nx.DiGraph, latency: set[str]) -> list
             if other != first:
                 parent[other] = first
         consumers.setdefault(frontier[0], []).append(consumer)
+
+    if not parent:
+        return []
 
     order = {name: i for i, name in enumerate(program.calls)}
     members: dict[str, list[str]] = {}

@@ -39,6 +39,10 @@ class Program:
     because a call and a variable may share a name. `public` marks the program's prefixes
     as shareable across tenants.
 
+    The structure itself lives in `calls` (each call's inputs and outputs) and
+    `variables` (each variable's producer and consumers); `graph` is a networkx view of
+    it, built on first use after a change (the manager's hot paths never need one).
+
     Calls can be added later (`add_call`), as an open run does; each addition is checked
     and leaves the program unchanged when it fails.
     """
@@ -46,9 +50,31 @@ class Program:
     def __init__(self, calls: Iterable[Call] = (), public: bool = False) -> None:
         self.calls: dict[str, Call] = {}
         self.variables: dict[str, SemanticVariable] = {}
-        self.graph: nx.DiGraph = nx.DiGraph()
+        self._graph: nx.DiGraph | None = None
         self.public = public
         self.add_calls(calls)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The bipartite variable/call graph (see the class doc); do not mutate it."""
+        if self._graph is None:
+            g = nx.DiGraph()
+            for call in self.calls.values():
+                node = call_node(call.name)
+                g.add_node(node)
+                for name in call.inputs:
+                    g.add_edge(var_node(name), node)
+                for name in call.outputs:
+                    g.add_edge(node, var_node(name))
+            self._graph = g
+        return self._graph
+
+    def _successors(self, node: Node) -> Iterable[Node]:
+        """Successors of `node` in `graph`, in the same order, without building it."""
+        kind, name = node
+        if kind == "call":
+            return [("var", v) for v in self.calls[name].outputs]
+        return [("call", c) for c in self.variables[name].consumers]
 
     def add_call(self, call: Call) -> None:
         """Add one call; see `add_calls`."""
@@ -62,6 +88,7 @@ class Program:
         """
         calls = list(calls)
         self._check_new(calls)
+        self._graph = None
         for call in calls:
             self._insert(call)
         cycle = self._find_cycle([call_node(c.name) for c in calls])
@@ -87,7 +114,7 @@ class Program:
         for source in sources:
             if source in done:
                 continue
-            stack = [(source, iter(self.graph.successors(source)))]
+            stack = [(source, iter(self._successors(source)))]
             on_path[source] = 0
             path.append(source)
             while stack:
@@ -103,7 +130,7 @@ class Program:
                 elif child not in done:
                     on_path[child] = len(path)
                     path.append(child)
-                    stack.append((child, iter(self.graph.successors(child))))
+                    stack.append((child, iter(self._successors(child))))
         return None
 
     def _check_new(self, calls: list[Call]) -> None:
@@ -131,18 +158,14 @@ class Program:
 
     def _insert(self, call: Call) -> None:
         self.calls[call.name] = call
-        node = call_node(call.name)
-        self.graph.add_node(node)
         for name in call.inputs:
             self._variable(name).consumers.append(call.name)
-            self.graph.add_edge(var_node(name), node)
         for name in call.outputs:
             self._variable(name).producer = call.name
-            self.graph.add_edge(node, var_node(name))
 
     def _remove(self, call: Call) -> None:
         del self.calls[call.name]
-        self.graph.remove_node(call_node(call.name))
+        self._graph = None
         for name in (*call.inputs, *call.outputs):
             var = self.variables[name]
             if var.producer == call.name:
@@ -151,7 +174,6 @@ class Program:
                 var.consumers.remove(call.name)
             if var.producer is None and not var.consumers:
                 del self.variables[name]
-                self.graph.remove_node(var_node(name))
 
     def _variable(self, name: str) -> SemanticVariable:
         var = self.variables.get(name)

@@ -140,3 +140,55 @@ def test_waiting_on_a_program_input_changes_nothing() -> None:
 def test_unknown_waited_variable_is_named() -> None:
     with pytest.raises(UnknownVariableError, match="'nope'"):
         deduce(chain(), {"nope": "latency"})
+
+
+def _reference(p: Program, waits: dict[str, str]) -> dict[str, tuple[str, frozenset[str]]]:
+    """The deduction spelled out with networkx on `call_graph()`: each call's objective
+    and the members of its group (group ids aside)."""
+    import networkx as nx
+
+    g = p.call_graph()
+    latency: set[str] = set()
+    for name, crit in waits.items():
+        producer = p.variables[name].producer
+        if crit == "latency" and producer is not None:
+            latency |= {producer} | nx.ancestors(g, producer)
+    groups = nx.Graph()
+    for consumer in g:
+        producers = list(g.predecessors(consumer))
+        upstream = set().union(*(nx.ancestors(g, q) for q in producers))
+        frontier = [q for q in producers if q not in upstream]
+        if len(frontier) >= 2:
+            nx.add_path(groups, frontier)
+    member_of = {c: frozenset(comp) for comp in nx.connected_components(groups) for c in comp}
+    return {
+        c: ("latency" if c in latency else "throughput", member_of.get(c, frozenset()))
+        for c in p.calls
+    }
+
+
+def test_deduction_matches_a_networkx_reference_on_random_dags() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        templates = []
+        for i in range(n):
+            reads = [f"v{j}" for j in range(i) if rng.random() < 0.35]
+            reads += [f"in{i}"] if not reads or rng.random() < 0.3 else []
+            text = " ".join(f"{{{{input:{r}}}}}" for r in reads)
+            templates.append((f"c{i}", f"{text} {{{{output:v{i}}}}}"))
+        p = program(*templates)
+        waits = {
+            f"v{i}": rng.choice(["latency", "throughput"]) for i in range(n) if rng.random() < 0.4
+        }
+        got = deduce(p, waits)
+        want = _reference(p, waits)
+        for name, (objective, members) in want.items():
+            found = got.calls[name]
+            assert found.objective == objective, (name, templates, waits)
+            group = got.group_of(name)
+            assert frozenset(group.members if group else ()) == members, (name, templates)
+        ids = [g.id for g in got.groups]
+        assert ids == list(range(len(ids)))

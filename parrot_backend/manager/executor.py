@@ -43,7 +43,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +150,9 @@ class Manager:
         self._priority_kw = {eid: _takes_priority(e) for eid, e in self.engines.items()}
         self._capacity: dict[str, int] = {}
         self._load = {eid: _Load() for eid in self.engines}
-        self._pending: dict[str, _Ready] = {}
+        self._pending: dict[str, _Ready] = {}  # by call id, in enqueue order
+        self._pending_runs: Counter[str] = Counter()  # run id -> its calls in `_pending`
+        self._pending_latency = 0  # calls in `_pending` whose objective is latency
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
 
@@ -172,6 +174,8 @@ class Manager:
                 await self._dispatcher
             self._dispatcher = None
         self._pending.clear()
+        self._pending_runs.clear()
+        self._pending_latency = 0
         for run in self.runs.values():
             run.queued.clear()
         tasks = [t for run in self.runs.values() for t in run.tasks.values()]
@@ -482,7 +486,10 @@ class Manager:
             await self._emit(run, "objectives", {"calls": calls})
         run.deduction = deduction
         for name, ready in run.queued.items():
-            ready.objective, ready.group = run.objective(name)
+            objective, ready.group = run.objective(name)
+            if objective != ready.objective and self._pending.get(ready.call_id) is ready:
+                self._pending_latency += 1 if objective == "latency" else -1
+            ready.objective = objective
 
     async def _set_value(
         self, run: Run, name: str, value: str, *, source: str, call: str | None
@@ -550,8 +557,7 @@ class Manager:
             status.state = "ready"
             ready = _Ready(f"{run.run_id}/{name}", run, name, plan, prefixes, static, self.clock())
             ready.objective, ready.group = run.objective(name)
-            self._pending[ready.call_id] = ready
-            run.queued[name] = ready
+            self._queue(ready)
             queued = True
         if queued:
             self._wake.set()
@@ -617,20 +623,31 @@ class Manager:
         a backlog makes every round cost as much as the whole backlog. `_pending` is in
         enqueue order, so the oldest come first.
         """
-        if len(self._pending) <= slots:
-            return list(self._pending.values())
+        pending = self._pending
+        if len(pending) <= slots:
+            return list(pending.values())
+        # each pass below stops once the slots are taken: a round costs in the slots, not
+        # in the backlog (the counters say how many runs and latency calls are pending)
         old = self.clock() - self.config.policy.aging_s
         chosen: dict[str, _Ready] = {}
-        for r in self._pending.values():
+        for r in pending.values():
             if r.enqueued_at >= old or len(chosen) >= slots:
                 break
             chosen[r.call_id] = r
         # fairness: each run first gets an equal share of the slots, then the oldest fill up
-        share = max(1, slots // len({r.run.run_id for r in self._pending.values()}))
+        share = max(1, slots // len(self._pending_runs))
         taken = Counter(r.run.run_id for r in chosen.values())
         for want_latency in (True, False):
+            if want_latency:
+                if not self._pending_latency:
+                    continue
+                source: Iterable[_Ready] = [r for r in pending.values() if r.objective == "latency"]
+            else:
+                source = pending.values()
             for fair in (True, False):
-                for r in self._pending.values():
+                if len(chosen) >= slots:
+                    break
+                for r in source:
                     if len(chosen) >= slots:
                         break
                     if (r.objective == "latency") != want_latency or r.call_id in chosen:
@@ -639,10 +656,14 @@ class Manager:
                         continue
                     chosen[r.call_id] = r
                     taken[r.run.run_id] += 1
-        groups = {(r.run.run_id, r.group) for r in chosen.values() if r.group is not None}
-        if groups:
-            for r in self._pending.values():
-                if (r.run.run_id, r.group) in groups:
+        # the other pending members of the chosen calls' task groups
+        groups: dict[str, tuple[Run, set[int]]] = {}
+        for r in chosen.values():
+            if r.group is not None:
+                groups.setdefault(r.run.run_id, (r.run, set()))[1].add(r.group)
+        for run, ids in groups.values():
+            for r in run.queued.values():
+                if r.group in ids and pending.get(r.call_id) is r:
                     chosen.setdefault(r.call_id, r)
         return list(chosen.values())
 
@@ -801,10 +822,31 @@ class Manager:
             log.info("engine %s unavailable during cleanup", engine_id)
 
     # ------------------------------------------------------------------ helpers
+    def _queue(self, ready: _Ready) -> None:
+        """Put a ready call on the dispatcher's queue."""
+        old = self._pending.pop(ready.call_id, None)
+        if old is not None:  # not expected: a call is queued once at a time
+            self._count_out(old)
+        self._pending[ready.call_id] = ready
+        ready.run.queued[ready.name] = ready
+        self._pending_runs[ready.run.run_id] += 1
+        self._pending_latency += ready.objective == "latency"
+
     def _unqueue(self, run: Run, name: str) -> None:
         """Take a ready call off the dispatcher's queue."""
         run.queued.pop(name, None)
-        self._pending.pop(f"{run.run_id}/{name}", None)
+        ready = self._pending.pop(f"{run.run_id}/{name}", None)
+        if ready is not None:
+            self._count_out(ready)
+
+    def _count_out(self, ready: _Ready) -> None:
+        run_id = ready.run.run_id
+        left = self._pending_runs[run_id] - 1
+        if left:
+            self._pending_runs[run_id] = left
+        else:
+            del self._pending_runs[run_id]
+        self._pending_latency -= ready.objective == "latency"
 
     def _engine_kwargs(self, engine_id: str, priority: int) -> dict[str, Any]:
         return {"priority": priority} if self._priority_kw[engine_id] else {}

@@ -71,7 +71,7 @@ class EventLog:
         self.run_id = run_id
         self.events: list[Event] = []
         self.closed = False
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made when a subscriber waits
 
     def append(self, type: str, payload: dict[str, Any]) -> Event:
         """Record an event (already acknowledged by the listeners) and wake subscribers."""
@@ -86,9 +86,11 @@ class EventLog:
         self._wake()
 
     def _wake(self) -> None:
-        # one Event per generation: waiters that woke keep theirs, new waiters get a fresh one
-        self._changed.set()
-        self._changed = asyncio.Event()
+        # one Event per generation: waiters that woke keep theirs, new waiters get a fresh
+        # one (made by the next waiter: with nobody waiting there is nothing to wake)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def subscribe(self, after: int = 0) -> AsyncIterator[Event]:
         """Events with `seq > after`, live, until the log closes."""
@@ -99,4 +101,6 @@ class EventLog:
                 yield self.events[sent - 1]
             if self.closed:
                 return
+            if self._changed is None:
+                self._changed = asyncio.Event()
             await self._changed.wait()

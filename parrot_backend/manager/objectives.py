@@ -63,7 +63,18 @@ class Deduction:
         return None if gid is None else self.groups[gid]
 
 
-_PLAIN = {c: CallObjective(c) for c in ("latency", "throughput")}  # frozen: shared
+# CallObjective is frozen: deductions share instances (runs keep one per call)
+_PLAIN = {c: CallObjective(c) for c in ("latency", "throughput")}
+_GROUPED: dict[tuple[Criterion, int], CallObjective] = {}
+
+
+def _grouped(objective: Criterion, group: int) -> CallObjective:
+    found = _GROUPED.get((objective, group))
+    if found is None:
+        found = CallObjective(objective, group)
+        if group < 1024:  # bounded: group ids count from 0 in every program
+            _GROUPED[(objective, group)] = found
+    return found
 
 
 def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
@@ -87,7 +98,7 @@ def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
     calls = {name: _PLAIN["latency" if name in latency else "throughput"] for name in preds}
     for group in groups:
         for member in group.members:
-            calls[member] = CallObjective(calls[member].objective, group.id)
+            calls[member] = _grouped(calls[member].objective, group.id)
     return Deduction(calls, groups)
 
 

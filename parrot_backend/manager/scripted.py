@@ -73,7 +73,11 @@ class ScriptedEngine:
 
     def detokenize(self, token_ids: list[int]) -> str:
         """UTF-8 bytes back to text; EOS and other ids above 255 are dropped."""
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+        try:
+            raw = bytes(token_ids)  # the usual case: every id is a byte
+        except (ValueError, TypeError):
+            raw = bytes(t for t in token_ids if t < 256)
+        return raw.decode(errors="replace")
 
     def text_of(self, context_id: Hashable) -> str:
         """The text a context holds now."""

@@ -4,6 +4,10 @@
 same templates, so the manager parses each distinct template once. A cache miss (or a
 spec the cached parse cannot serve) goes through `Call.from_template`, so errors are the
 program package's own.
+
+A built `Call` is never changed afterwards (programs add and remove whole calls), so runs
+of one workflow share the `Call` of a call that has the same name and template and gives
+no generation configs of its own (the common case: every output takes the defaults).
 """
 
 from __future__ import annotations
@@ -22,10 +26,26 @@ class CallBuilder:
     def __init__(self, size: int = 4096) -> None:
         self._size = size
         self._segments: OrderedDict[str, tuple[tuple[Segment, ...], frozenset[str]]] = OrderedDict()
+        self._plain: OrderedDict[tuple[str, str], Call] = OrderedDict()  # default configs
 
     def call(self, spec: CallSpec, index: int) -> Call:
-        """The call of `spec`, named `#<index>` when unnamed (as `CallSpec.build`)."""
+        """The call of `spec`, named `#<index>` when unnamed (as `CallSpec.build`).
+
+        Shared with earlier runs when equal: do not mutate it."""
         name = spec.name if spec.name is not None else f"#{index}"
+        if spec.outputs:
+            return self._build(name, spec)
+        key = (name, spec.template)
+        call = self._plain.get(key)
+        if call is not None:
+            self._plain.move_to_end(key)
+            return call
+        call = self._plain[key] = self._build(name, spec)
+        if len(self._plain) > self._size:
+            self._plain.popitem(last=False)
+        return call
+
+    def _build(self, name: str, spec: CallSpec) -> Call:
         hit = self._segments.get(spec.template)
         if hit is None or not hit[1].issuperset(spec.outputs):
             call = Call.from_template(name, spec.template, spec.outputs)

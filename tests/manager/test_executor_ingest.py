@@ -40,3 +40,24 @@ def test_program_checks_the_run_like_runspec_build() -> None:
         CallBuilder().program(spec)
     with pytest.raises(ProgramError, match="'q'"):
         spec.build()
+
+
+def test_calls_with_default_configs_are_shared_between_runs() -> None:
+    builder = CallBuilder()
+    spec = CallSpec(name="w", template="Topic {{input:t}} Draft {{output:d}}")
+    first, again = builder.call(spec, 0), builder.call(spec, 5)
+    fresh = spec.build(0)
+    assert again is first
+    assert (again.name, again.segments, again.configs) == (
+        fresh.name,
+        fresh.segments,
+        fresh.configs,
+    )
+    # another name, or configs of its own, is another call
+    other = builder.call(CallSpec(template=spec.template), 2)
+    assert other.name == "#2" and other.segments is first.segments
+    tuned = builder.call(
+        CallSpec(name="w", template=spec.template, outputs={"d": GenerationConfig(max_tokens=2)}),
+        0,
+    )
+    assert tuned is not first and tuned.configs["d"].max_tokens == 2

@@ -61,6 +61,28 @@ def prefix_boundaries(segments: Sequence[Segment]) -> list[int]:
     return sorted(set(cuts))
 
 
+# Calls of one workflow share their segments tuple (the manager parses a template once):
+# its boundaries are computed once, keyed by identity (the entry holds the tuple, so the id
+# cannot be reused while cached). Hashers are cached after the model and salt.
+_CACHE_SIZE = 4096
+_CUTS: dict[int, tuple[tuple[Segment, ...], list[int]]] = {}
+_BASES: dict[tuple[str, str | bytes | None], hashlib.blake2b] = {}
+
+
+def _boundaries(segments: Sequence[Segment]) -> list[int]:
+    """`prefix_boundaries(segments)`, cached for tuples (do not mutate the result)."""
+    if type(segments) is not tuple:
+        return prefix_boundaries(segments)
+    hit = _CUTS.get(id(segments))
+    if hit is not None and hit[0] is segments:
+        return hit[1]
+    cuts = prefix_boundaries(segments)
+    if len(_CUTS) >= _CACHE_SIZE:
+        _CUTS.clear()
+    _CUTS[id(segments)] = (segments, cuts)
+    return cuts
+
+
 def segment_tokens(
     segments: Sequence[Segment], values: Mapping[str, str], tokenize: Tokenize, stop: int
 ) -> list[list[int]]:
@@ -128,11 +150,16 @@ def call_prefixes(
     `values` must hold every input before the first output. Each key equals
     `prefix_key(model, tokens[:n_tokens], salt)`; the hash runs once over the tokens.
     """
-    cuts = prefix_boundaries(segments)
+    cuts = _boundaries(segments)
     if not cuts:
         return []
     pieces = segment_tokens(segments, values, tokenize, cuts[-1])
-    h = _hasher(model, salt)
+    base = _BASES.get((model, salt))
+    if base is None:
+        if len(_BASES) >= _CACHE_SIZE:
+            _BASES.clear()
+        base = _BASES[(model, salt)] = _hasher(model, salt)
+    h = base.copy()
     out: list[Prefix] = []
     done = n_tokens = 0
     for cut in cuts:

@@ -106,10 +106,13 @@ class _Load:
     batch_size: int
     running_tokens: int
     free_kv_tokens: int
-    prefixes: set[str]
+    prefixes: set[str] | frozenset[str]
+    # a trial copy shares `prefixes` read-only and keeps the ones its placements add here
+    # (copying the set for every trial would cost in the prefixes placed this round)
+    extra: set[str] | None = None
 
     @classmethod
-    def of(cls, e: EngineSnapshot | _Load) -> _Load:
+    def of(cls, e: EngineSnapshot) -> _Load:
         return cls(
             e.engine_id,
             e.running_latency,
@@ -117,6 +120,19 @@ class _Load:
             e.running_tokens,
             e.free_kv_tokens,
             set(e.prefixes),
+        )
+
+    def trial(self) -> _Load:
+        """A copy to try placements on; this load must not change while the copy is used."""
+        held = self.prefixes if not self.extra else self.prefixes | self.extra
+        return _Load(
+            self.engine_id,
+            self.running_latency,
+            self.batch_size,
+            self.running_tokens,
+            self.free_kv_tokens,
+            held,
+            set(),
         )
 
 
@@ -143,6 +159,8 @@ def schedule(
     out: list[Assignment] = []
     for unit in _units(pending, now, config):
         open_engines = [s for eid, s in state.items() if eid not in reserved]
+        if not unit.aged and all(s.batch_size >= config.max_batch for s in open_engines):
+            break  # nothing fits any more, and no later unit is aged (they come first)
         placed = _place_unit(unit, open_engines, config)
         if placed is None and unit.aged:
             placed = _place_each(unit.calls, open_engines, config, aged=True, partial=True)
@@ -183,8 +201,9 @@ def _unit(calls: list[PendingCall], now: float, config: PolicyConfig) -> _Unit:
 
 def _matched(call: PendingCall, engine: _Load) -> Prefix | None:
     """The longest prefix of `call` that `engine` holds."""
+    held, extra = engine.prefixes, engine.extra
     for prefix in reversed(call.prefixes):
-        if prefix.key in engine.prefixes:
+        if prefix.key in held or (extra is not None and prefix.key in extra):
             return prefix
     return None
 
@@ -252,7 +271,7 @@ def _place_each(
     batched: bool = True,
 ) -> list[tuple[PendingCall, str]] | None:
     """Place calls one by one on copies of `engines`; None if one fails and not `partial`."""
-    trial = {e.engine_id: _Load.of(e) for e in engines}
+    trial = {e.engine_id: e.trial() for e in engines}
     placed: list[tuple[PendingCall, str]] = []
     for call in calls:
         engine = _best(call, trial.values(), config, aged, batched)
@@ -281,5 +300,7 @@ def _commit(call: PendingCall, engine: _Load, single: bool) -> Assignment:
     engine.free_kv_tokens -= call.n_tokens - (hit.n_tokens if hit else 0)
     if single and call.objective == "latency":
         engine.running_latency += 1
-    engine.prefixes.update(p.key for p in call.prefixes)
+    added = engine.prefixes if engine.extra is None else engine.extra
+    assert isinstance(added, set)
+    added.update(p.key for p in call.prefixes)
     return Assignment(call.call_id, engine.engine_id, hit)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from parrot_backend.store.db import WRITE_OPTION
@@ -33,9 +34,9 @@ class StoreBase:
             # REPEATABLE READ transaction gives that and never fails on serialization.
             reads = engine.execution_options(isolation_level="REPEATABLE READ")
         self._reads = sessionmaker(bind=reads, expire_on_commit=False)
-        self._writes = sessionmaker(
-            bind=engine.execution_options(**{WRITE_OPTION: True}), expire_on_commit=False
-        )
+        self._write_engine = engine.execution_options(**{WRITE_OPTION: True})
+        self._writes = sessionmaker(bind=self._write_engine, expire_on_commit=False)
+        self._batch = threading.local()  # .conn: the open batch of this thread, if any
 
     @property
     def dialect(self) -> str:
@@ -44,9 +45,44 @@ class StoreBase:
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
-        """A write transaction: committed on success, rolled back on any error."""
+        """A write transaction: committed on success, rolled back on any error. Inside a
+        `batch` it is a savepoint of the batch's transaction instead."""
+        conn = getattr(self._batch, "conn", None)
+        if conn is not None:
+            with Session(bind=conn, expire_on_commit=False,
+                         join_transaction_mode="create_savepoint") as session, session.begin():
+                yield session
+            return
         with self._writes.begin() as session:
             yield session
+
+    @contextmanager
+    def _conn_write(self) -> Iterator[Connection]:
+        """A write transaction on a plain connection (Core statements only: the hot paths,
+        where the ORM session's bookkeeping would cost more than the SQL). Inside a
+        `batch` it is a savepoint of the batch's transaction."""
+        conn = getattr(self._batch, "conn", None)
+        if conn is not None:
+            with conn.begin_nested():
+                yield conn
+            return
+        with self._write_engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run several store methods as one transaction: on this thread, every write
+        method called inside joins it (each as a savepoint, so one that raises undoes only
+        itself when the caller catches it); all are committed together at the end, or
+        none when the block raises. Not reentrant."""
+        if getattr(self._batch, "conn", None) is not None:
+            raise RuntimeError("store batches do not nest")
+        with self._write_engine.begin() as conn:
+            self._batch.conn = conn
+            try:
+                yield
+            finally:
+                self._batch.conn = None
 
     @contextmanager
     def _read(self) -> Iterator[Session]:

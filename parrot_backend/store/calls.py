@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, exists, or_, select, update
+from sqlalchemy import and_, bindparam, case, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from parrot_backend.store.base import StoreBase, call_record
-from parrot_backend.store.columns import CALL_HELD, RUN_UNFINISHED, utcnow
+from parrot_backend.store.columns import CALL_HELD, RUN_UNFINISHED, UTCDateTime, utcnow
 from parrot_backend.store.errors import InvalidRequestError, NotFoundError
 from parrot_backend.store.events import append_in
 from parrot_backend.store.models import Call, CallInput, Run, Variable
@@ -56,6 +56,47 @@ def _fenced(s: Session, call_id: int, worker: str, statuses: Sequence[str], **va
         .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)
+
+
+_CALLS = Call.__table__
+_C = _CALLS.c
+
+
+def _hold_stmt(start: bool) -> Any:
+    now = bindparam("now")
+    held = _C.status.in_(CALL_HELD)
+    values: dict[str, Any] = {"claimed_by": bindparam("worker"),
+                              "lease_expires_at": bindparam("lease")}
+    if start:
+        values.update(status="running", engine=bindparam("engine"), started_at=now,
+                      first_token_at=None, attempts=_C.attempts + 1)
+    else:
+        values.update(status="claimed")
+    return (
+        update(_CALLS)
+        .where(_C.id == bindparam("cid"),
+               or_(_C.status == "pending",
+                   and_(held, _C.lease_expires_at < now),
+                   and_(held, _C.claimed_by == bindparam("worker"))))
+        .values(**values)
+        .returning(_C.run_id)
+    )
+
+
+# Prebuilt hot-path statements (built once; only their parameters change per call).
+_HOLD = {True: _hold_stmt(True), False: _hold_stmt(False)}
+_FINISH = (
+    update(_CALLS)
+    .where(_C.id == bindparam("cid"), _C.claimed_by == bindparam("worker"),
+           _C.status.in_(CALL_HELD))
+    .values(status="done", finished_at=bindparam("now"), lease_expires_at=None,
+            prompt_tokens=bindparam("prompt_tokens"),
+            completion_tokens=bindparam("completion_tokens"), error=None,
+            first_token_at=func.coalesce(bindparam("first_token_at", type_=UTCDateTime()),
+                                         _C.first_token_at))
+    .returning(_C.run_id, _C.outputs)
+)
+_CALL_EXISTS = select(_C.id).where(_C.id == bindparam("cid"))
 
 
 class CallsMixin(StoreBase):
@@ -141,27 +182,13 @@ class CallsMixin(StoreBase):
         the same transaction when the claim succeeds. False when another worker holds it
         or it is finished."""
         now = now or utcnow()
-        values: dict[str, Any] = {
-            "claimed_by": worker,
-            "lease_expires_at": now + timedelta(seconds=lease_s),
-        }
-        if start:
-            values.update(status="running", engine=engine, started_at=now,
-                          first_token_at=None, attempts=Call.attempts + 1)
-        else:
-            values.update(status="claimed")
-        with self._write() as s:
-            changed = s.execute(
-                update(Call)
-                .where(Call.id == call_id, or_(_claimable(now), and_(
-                    Call.status.in_(CALL_HELD), Call.claimed_by == worker)))
-                .values(**values)
-                .execution_options(synchronize_session=False)
-            ).rowcount
-            if changed and events:
-                run_id = s.scalar(select(Call.run_id).where(Call.id == call_id))
-                append_in(s, [(run_id, t, p) for t, p in events], now)
-            return bool(changed)
+        params = {"cid": call_id, "worker": worker, "now": now,
+                  "lease": now + timedelta(seconds=lease_s), "engine": engine}
+        with self._conn_write() as c:
+            run_id = c.execute(_HOLD[start], params).scalar()
+            if run_id is not None and events:
+                append_in(c, [(run_id, t, p) for t, p in events], now)
+            return run_id is not None
 
     def renew_lease(
         self, worker: str, call_ids: Sequence[int], lease_s: float = 30.0,
@@ -219,22 +246,20 @@ class CallsMixin(StoreBase):
         variables already ready are left as they are: the first recorded value wins.
         """
         now = now or utcnow()
-        with self._write() as s:
-            call = s.get(Call, call_id)
-            if call is None:
-                raise NotFoundError(f"no call {call_id}")
-            extra = set(outputs) - set(call.outputs)
-            if extra:
-                raise InvalidRequestError(f"call {call_id} does not produce {sorted(extra)}")
-            first = {} if first_token_at is None else {"first_token_at": first_token_at}
-            if not _fenced(
-                s, call_id, worker, CALL_HELD, status="done", finished_at=now,
-                lease_expires_at=None, prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens, error=None, **first,
-            ):
+        params = {"cid": call_id, "worker": worker, "now": now, "prompt_tokens": prompt_tokens,
+                  "completion_tokens": completion_tokens, "first_token_at": first_token_at}
+        with self._conn_write() as c:
+            row = c.execute(_FINISH, params).first()
+            if row is None:
+                if c.execute(_CALL_EXISTS, {"cid": call_id}).first() is None:
+                    raise NotFoundError(f"no call {call_id}")
                 return FinishResult(accepted=False)
-            changed = set_values_in(s, call.run_id, outputs, now)
-            seqs = append_in(s, [(call.run_id, t, p) for t, p in events], now)
+            run_id, produces = row
+            extra = set(outputs) - set(produces)
+            if extra:  # raising rolls the finish back
+                raise InvalidRequestError(f"call {call_id} does not produce {sorted(extra)}")
+            changed = set_values_in(c, run_id, outputs, now)
+            seqs = append_in(c, [(run_id, t, p) for t, p in events], now)
             return FinishResult(True, tuple(changed), tuple(seqs))
 
     def fail_call(

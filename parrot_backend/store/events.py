@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, delete, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from parrot_backend.store.base import StoreBase
@@ -20,38 +20,39 @@ from parrot_backend.store.records import EventRecord
 EventIn = tuple[str, str, Any]
 
 
-def append_in(session: Session, items: Sequence[EventIn], now: datetime | None = None) -> list[int]:
+_RUNS = Run.__table__
+# Prebuilt statements (built once; only their parameters change per call).
+_BUMP_SEQ = (
+    update(_RUNS)
+    .where(_RUNS.c.id == bindparam("rid"))
+    .values(event_seq=_RUNS.c.event_seq + bindparam("n"))
+    .returning(_RUNS.c.event_seq)
+)
+_INSERT_EVENTS = insert(Event.__table__)
+
+
+def append_in(
+    db: Session | Connection, items: Sequence[EventIn], now: datetime | None = None
+) -> list[int]:
     """Append events inside an open write transaction; return their seqs in input order.
 
     Each run's counter is bumped once per batch with UPDATE ... RETURNING: the row lock it
     takes makes concurrent appenders to one run wait for each other until commit, so seqs
-    are gap-free, strictly increasing, and become visible in order. On PostgreSQL the runs
-    are locked in sorted order so that two batches touching the same runs cannot deadlock.
+    are gap-free, strictly increasing, and become visible in order. The runs of a batch
+    are bumped in sorted order, so two batches touching the same runs cannot deadlock on
+    PostgreSQL.
     """
     if not items:
         return []
+    conn = db.connection() if isinstance(db, Session) else db
     now = now or utcnow()
     counts = Counter(run_id for run_id, _, _ in items)
-    runs = Run.__table__
-    ids = sorted(counts)
-    if session.get_bind().dialect.name == "postgresql" and len(ids) > 1:
-        # Lock in id order first: a lone UPDATE locks rows in scan order, which can deadlock.
-        session.execute(
-            select(runs.c.id).where(runs.c.id.in_(ids)).order_by(runs.c.id).with_for_update()
-        )
-    # Core statements (no ORM bookkeeping): one UPDATE bumps every run of the batch.
-    ends = dict(
-        session.execute(
-            update(runs)
-            .where(runs.c.id.in_(ids))
-            .values(event_seq=runs.c.event_seq + case(dict(counts), value=runs.c.id))
-            .returning(runs.c.id, runs.c.event_seq)
-        ).all()
-    )
-    missing = [r for r in ids if r not in ends]
-    if missing:
-        raise NotFoundError(f"no run(s) {missing}")
-    next_seq = {run_id: ends[run_id] - counts[run_id] for run_id in ids}
+    next_seq: dict[str, int] = {}
+    for run_id in sorted(counts):
+        end = conn.execute(_BUMP_SEQ, {"rid": run_id, "n": counts[run_id]}).scalar()
+        if end is None:
+            raise NotFoundError(f"no run {run_id!r}")
+        next_seq[run_id] = end - counts[run_id]
     seqs: list[int] = []
     rows: list[dict[str, Any]] = []
     for run_id, type_, payload in items:
@@ -62,7 +63,7 @@ def append_in(session: Session, items: Sequence[EventIn], now: datetime | None =
              "created_at": now}
         )
     # Core insert of the table (not the ORM bulk path): a plain executemany, fastest here.
-    session.execute(insert(Event.__table__), rows)
+    conn.execute(_INSERT_EVENTS, rows)
     return seqs
 
 
@@ -77,13 +78,13 @@ class EventsMixin(StoreBase):
 
     def append_event(self, run_id: str, type: str, payload: Any = None) -> int:
         """Append one event; returns its seq once committed."""
-        with self._write() as s:
-            return append_in(s, [(run_id, type, payload)])[0]
+        with self._conn_write() as c:
+            return append_in(c, [(run_id, type, payload)])[0]
 
     def append_events(self, items: Sequence[EventIn]) -> list[int]:
         """Append a batch of (run_id, type, payload) in one transaction; seqs in input order."""
-        with self._write() as s:
-            return append_in(s, items)
+        with self._conn_write() as c:
+            return append_in(c, items)
 
     def read_events(
         self, tenant_id: int, run_id: str, after_seq: int = 0, limit: int = 1000

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from parrot_backend.store.base import StoreBase, variable_record
@@ -16,26 +16,32 @@ from parrot_backend.store.events import append_in
 from parrot_backend.store.models import Run, Variable
 from parrot_backend.store.records import VariableRecord
 
+_VARS = Variable.__table__
+_RUNS = Run.__table__
+# Prebuilt: the conditional UPDATE (``status = 'pending'``) is what makes a value write-once.
+_SET_VALUE = (
+    update(_VARS)
+    .where(_VARS.c.run_id == bindparam("rid"), _VARS.c.name == bindparam("vname"),
+           _VARS.c.status == "pending")
+    .values(value=bindparam("value"), status="ready", set_at=bindparam("now"))
+)
+_RUN_OWNER = select(_RUNS.c.tenant_id, _RUNS.c.open).where(_RUNS.c.id == bindparam("rid"))
+
 
 def set_values_in(
-    session: Session, run_id: str, values: Mapping[str, str], now: datetime
+    db: Session | Connection, run_id: str, values: Mapping[str, str], now: datetime
 ) -> list[str]:
     """Make pending variables ready inside a write transaction; return the names changed.
 
-    The conditional UPDATE (``status = 'pending'``) is what makes a value write-once:
-    a second writer, a retried call or a replayed request changes nothing.
+    A second writer, a retried call or a replayed request changes nothing: only a pending
+    variable takes a value.
     """
-    changed = []
-    for name, value in values.items():
-        result = session.execute(
-            update(Variable)
-            .where(Variable.run_id == run_id, Variable.name == name, Variable.status == "pending")
-            .values(value=value, status="ready", set_at=now)
-            .execution_options(synchronize_session=False)
-        )
-        if result.rowcount:
-            changed.append(name)
-    return changed
+    conn = db.connection() if isinstance(db, Session) else db
+    return [
+        name for name, value in values.items()
+        if conn.execute(_SET_VALUE, {"rid": run_id, "vname": name, "value": value,
+                                     "now": now}).rowcount
+    ]
 
 
 def _run(session: Session, run_id: str, tenant_id: int | None) -> Run:
@@ -75,25 +81,34 @@ class VariablesMixin(StoreBase):
     ) -> list[str]:
         """Set several variables in one transaction; returns the names that changed."""
         now = utcnow()
-        with self._write() as s:
-            run = _run(s, run_id, tenant_id)
-            known = set(
-                s.scalars(
-                    select(Variable.name).where(
-                        Variable.run_id == run_id, Variable.name.in_(list(values))
-                    )
-                )
-            )
-            missing = [n for n in values if n not in known]
-            if missing and not run.open:
-                raise NotFoundError(f"run {run_id!r} has no variable(s) {missing}")
-            for n in missing:
-                s.add(Variable(run_id=run_id, name=n, status="pending"))
-            s.flush()
-            changed = set_values_in(s, run_id, values, now)
-            if changed and events:
-                append_in(s, [(run_id, t, p) for t, p in events], now)
-            return changed
+        with self._conn_write() as c:
+            owner = None
+            if tenant_id is not None:  # a client's request: the run must be the tenant's
+                owner = c.execute(_RUN_OWNER, {"rid": run_id}).first()
+                if owner is None or owner.tenant_id != tenant_id:
+                    raise NotFoundError(f"no run {run_id!r}")
+            changed = set(set_values_in(c, run_id, values, now))
+            if len(changed) < len(values):  # already set, unknown, or no such run
+                owner = owner or c.execute(_RUN_OWNER, {"rid": run_id}).first()
+                if owner is None:
+                    raise NotFoundError(f"no run {run_id!r}")
+                rest = [n for n in values if n not in changed]
+                known = set(c.scalars(
+                    select(_VARS.c.name).where(_VARS.c.run_id == run_id, _VARS.c.name.in_(rest))
+                ))
+                missing = [n for n in rest if n not in known]
+                if missing and not owner.open:
+                    raise NotFoundError(f"run {run_id!r} has no variable(s) {missing}")
+                if missing:  # an open run takes new variables
+                    c.execute(insert(_VARS), [
+                        {"run_id": run_id, "name": n, "value": values[n], "status": "ready",
+                         "set_at": now} for n in missing
+                    ])
+                    changed.update(missing)
+            names = [n for n in values if n in changed]
+            if names and events:
+                append_in(c, [(run_id, t, p) for t, p in events], now)
+            return names
 
     def fail_variable(self, run_id: str, name: str, error: str) -> bool:
         """Mark a pending variable failed (its producer gave up); True when it changed."""

@@ -17,6 +17,7 @@ from store_helpers import chain_calls, fan_calls, url_text
 
 from parrot_backend.store import Store
 from parrot_backend.store.columns import utcnow
+from parrot_backend.store.errors import InvalidRequestError, NotFoundError
 
 CLAIMER = Path(__file__).with_name("claimer_proc.py")
 
@@ -188,3 +189,85 @@ def test_pg_claim_skips_rows_locked_by_another_claimer(store: Store, tenant: int
         other.rollback()
     (rest,) = store.claim_calls("w", limit=2)
     assert rest.call.id == first_id
+
+
+def test_finish_call_records_first_token_and_keeps_an_earlier_one(store: Store,
+                                                                   tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(2), {"q": "?"}).run.id
+    a, b = sorted(store.claim_calls("w", limit=2), key=lambda c: c.call.idx)
+    first = utcnow() - timedelta(seconds=5)
+    assert store.finish_call(a.call.id, "w", {"a0": "x"}, first_token_at=first).accepted
+    assert store.mark_call_started(b.call.id, "w") is True
+    assert store.mark_call_first_token(b.call.id, "w") is True
+    marked = store.get_run(tenant, run).calls[1].first_token_at
+    assert store.finish_call(b.call.id, "w", {}, completion_tokens=3).accepted  # none given
+    calls = store.get_run(tenant, run).calls
+    assert abs(calls[0].first_token_at - first) < timedelta(milliseconds=1)
+    assert calls[1].first_token_at == marked and calls[1].completion_tokens == 3
+    assert store.get_run(tenant, run).variables["a1"].status == "pending"  # {} sets nothing
+    with pytest.raises(NotFoundError):
+        store.finish_call(10**9, "w", {})
+    assert not store.finish_call(a.call.id, "w", {}).accepted  # already done
+
+
+def test_finish_call_rejects_foreign_outputs_and_writes_nothing(store: Store,
+                                                                tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(1), {"q": "?"}).run.id
+    (c,) = store.claim_calls("w")
+    with pytest.raises(InvalidRequestError):
+        store.finish_call(c.call.id, "w", {"a0": "x", "q": "forged"})
+    detail = store.get_run(tenant, run)
+    assert detail.calls[0].status == "claimed" and detail.variables["a0"].status == "pending"
+    assert detail.variables["q"].value == "?"
+
+
+def test_hold_call_claims_and_fences(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(1), {"q": "?"}).run.id
+    call_id = store.get_run(tenant, run).calls[0].id
+    assert store.hold_call(call_id, "w1", engine="e0", events=[("started", {})]) is True
+    assert store.hold_call(call_id, "w2", events=[("started", {})]) is False  # w1 holds it
+    assert store.hold_call(call_id, "w1", engine="e1") is True  # its holder may restart it
+    held = store.get_run(tenant, run).calls[0]
+    assert (held.status, held.claimed_by, held.engine, held.attempts) == ("running", "w1",
+                                                                          "e1", 2)
+    assert [e.type for e in store.read_events(tenant, run)] == ["started"]
+    assert store.hold_call(10**9, "w1") is False
+
+
+def test_batch_commits_together_or_not_at_all(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(2), {"q": "?"}).run.id
+    ids = [c.id for c in store.get_run(tenant, run).calls]
+    with store.batch():
+        assert store.hold_call(ids[0], "w", events=[("started", {})])
+        assert store.set_run_status(run, "running")
+        assert store.set_variables(run, {"a0": "x"}, events=[("ready", {})]) == ["a0"]
+        with pytest.raises(NotFoundError):  # a failing member undoes only itself
+            store.set_variables(run, {"nope": "v"}, events=[("ready", {})])
+    detail = store.get_run(tenant, run)
+    assert detail.run.status == "running" and detail.variables["a0"].value == "x"
+    assert [e.type for e in store.read_events(tenant, run)] == ["started", "ready"]
+    with pytest.raises(RuntimeError, match="boom"), store.batch():
+        store.hold_call(ids[1], "w", events=[("started", {})])
+        store.set_variables(run, {"a1": "y"})
+        raise RuntimeError("boom")
+    detail = store.get_run(tenant, run)
+    assert detail.calls[1].status == "pending" and detail.variables["a1"].status == "pending"
+    assert [e.type for e in store.read_events(tenant, run)] == ["started", "ready"]
+    with pytest.raises(RuntimeError, match="nest"), store.batch(), store.batch():
+        pass
+
+
+def test_set_variables_checks_tenant_and_takes_new_names_on_open_runs(store: Store) -> None:
+    a, _ = store.create_tenant("a")
+    b, _ = store.create_tenant("b")
+    run = store.create_run(a.id, {}, fan_calls(1), open=True).run.id
+    with pytest.raises(NotFoundError):
+        store.set_variables(run, {"q": "forged"}, tenant_id=b.id)
+    assert store.get_variable(a.id, run, "q").status == "pending"
+    assert store.set_variables(run, {"late": "1", "q": "?"}, tenant_id=a.id,
+                               events=[("set", {})]) == ["late", "q"]
+    assert store.set_variables(run, {"late": "2", "q": "!"}, events=[("set", {})]) == []
+    assert store.get_variable(a.id, run, "late").value == "1"
+    assert [e.type for e in store.read_events(a.id, run)] == ["set"]
+    with pytest.raises(NotFoundError):
+        store.set_variables("no-such-run", {"q": "x"})

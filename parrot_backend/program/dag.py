@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from typing import Literal
 
 import networkx as nx
@@ -69,13 +69,6 @@ class Program:
             self._graph = g
         return self._graph
 
-    def _successors(self, node: Node) -> Iterable[Node]:
-        """Successors of `node` in `graph`, in the same order, without building it."""
-        kind, name = node
-        if kind == "call":
-            return [("var", v) for v in self.calls[name].outputs]
-        return [("call", c) for c in self.variables[name].consumers]
-
     def add_call(self, call: Call) -> None:
         """Add one call; see `add_calls`."""
         self.add_calls([call])
@@ -91,47 +84,57 @@ class Program:
         self._graph = None
         for call in calls:
             self._insert(call)
-        cycle = self._find_cycle([call_node(c.name) for c in calls])
+        cycle = self._find_cycle([c.name for c in calls])
         if cycle is None:
             return
         for call in reversed(calls):
             self._remove(call)
-        # the cycle alternates call -> variable -> call; start it at a call
-        if cycle[0][0] == "var":
-            cycle = cycle[1:] + cycle[:1]
-        raise CycleError([n for _, n in cycle[0::2]], [n for _, n in cycle[1::2]])
+        raise CycleError(*cycle)
 
-    def _find_cycle(self, sources: list[Node]) -> list[Node] | None:
-        """A cycle reachable from `sources`, as its nodes in order, or None.
+    def _find_cycle(self, sources: list[str]) -> tuple[list[str], list[str]] | None:
+        """A cycle reachable from the calls `sources`, as its calls in order and the
+        variable each passes to the next, or None.
 
         The program was acyclic before, so any new cycle passes through a new call and is
         reachable from it; searching only from there keeps adding a call to a large open
-        run cheap.
+        run cheap. The search walks `graph` depth first (a variable has one producer, so
+        it is entered only from there: a cycle closes at a call).
         """
-        done: set[Node] = set()
-        on_path: dict[Node, int] = {}  # node -> its index in `path`
-        path: list[Node] = []
+        done: set[str] = set()
+        on_path: dict[str, int] = {}  # call -> its index in `path`
+        path: list[str] = []
+        via: list[str] = []  # via[i]: the variable path[i] passes to path[i + 1]
         for source in sources:
             if source in done:
                 continue
-            stack = [(source, iter(self._successors(source)))]
+            stack = [self._edges(source)]
             on_path[source] = 0
             path.append(source)
             while stack:
-                node, children = stack[-1]
-                child = next(children, None)
-                if child is None:
+                edge = next(stack[-1], None)
+                if edge is None:
                     stack.pop()
-                    path.pop()
+                    node = path.pop()
                     del on_path[node]
                     done.add(node)
-                elif child in on_path:
-                    return path[on_path[child] :]
-                elif child not in done:
+                    if via:
+                        via.pop()
+                    continue
+                var, child = edge
+                if child in on_path:
+                    k = on_path[child]
+                    return path[k:], [*via[k:], var]
+                if child not in done:
                     on_path[child] = len(path)
                     path.append(child)
-                    stack.append((child, iter(self._successors(child))))
+                    via.append(var)
+                    stack.append(self._edges(child))
         return None
+
+    def _edges(self, call: str) -> Iterator[tuple[str, str]]:
+        """(variable, consumer) for each output of `call` and each call reading it."""
+        variables = self.variables
+        return ((out, c) for out in self.calls[call].outputs for c in variables[out].consumers)
 
     def _check_new(self, calls: list[Call]) -> None:
         problems: list[str] = []

@@ -2,7 +2,7 @@
 scheduling-decision latency with many concurrent open runs.
 
     .venv/bin/python benchmarks/manager_bench.py [--runs 2000] [--open-runs 1000]
-        [--calls 5000] [--gc-threshold 50000]
+        [--calls 5000] [--gc-threshold 50000] [--gc-freeze]
 
 1. Throughput: create runs of a small map-reduce program (4 maps sharing a system prompt,
    1 reduce) and wait for all to finish. Every call is parsed, validated, deduced,
@@ -15,6 +15,13 @@ scheduling-decision latency with many concurrent open runs.
    coroutine ingests all the calls before the dispatcher gets the loop, so ready ->
    dispatched there is mostly ingestion time; the rounds (each places up to `max_batch`
    calls) are the decisions.
+
+Garbage collection: by default Python's collector runs as it would in a server that was
+never tuned; full collections walk every live object, including this benchmark's run specs
+and everything imported. `--gc-freeze` calls `gc.freeze()` before each timed phase (after
+the specs are built), as a server may do after start-up: what existed then is no longer
+walked, while everything the manager makes is collected as usual. `--gc-threshold` raises
+the gen-0 threshold. Neither is on by default: compare figures made the same way.
 """
 
 from __future__ import annotations
@@ -75,8 +82,18 @@ def show(label: str, xs: list[float]) -> None:
     )
 
 
-async def throughput(n_runs: int) -> None:
+def freeze(on: bool) -> None:
+    """`gc.freeze()` what is alive now (see the module doc), or undo it."""
+    if on:
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.unfreeze()
+
+
+async def throughput(n_runs: int, gc_freeze: bool = False) -> None:
     specs = [map_reduce(i) for i in range(n_runs)]  # client-side JSON parsing not counted
+    freeze(gc_freeze)
     async with Manager({"e0": noop_engine()}) as m:
         start = time.perf_counter()
         ids = [await m.create_run(s) for s in specs]
@@ -86,6 +103,7 @@ async def throughput(n_runs: int) -> None:
         wall = time.perf_counter() - start
         calls = 5 * n_runs
         assert all(m.run_status(r).state == "finished" for r in ids)
+    freeze(False)
     print(f"throughput: {n_runs} runs, {calls} calls in {wall:.2f} s")
     print(f"  {calls / wall:,.0f} calls/s ingested + deduced + scheduled + run (goal >= 20,000)")
 
@@ -131,8 +149,9 @@ def decision_path(n_runs: int) -> None:
     print(f"  together: {calls / (done - start):,.0f} calls/s")
 
 
-async def latency(open_runs: int, n_calls: int) -> None:
+async def latency(open_runs: int, n_calls: int, gc_freeze: bool = False) -> None:
     rng = random.Random(0)
+    freeze(gc_freeze)
     async with Manager({"e0": noop_engine()}) as m:
         first = {"program": {"calls": [{"template": SYSTEM + "Start: {{output:x}}"}]}, "open": True}
         ids = [await m.create_run(RunSpec.model_validate(first)) for _ in range(open_runs)]
@@ -159,6 +178,7 @@ async def latency(open_runs: int, n_calls: int) -> None:
         print(f"decision latency, burst: every one of {open_runs} open runs adds a call at once:")
         show("ready -> dispatched", list(m.dispatch_delays))
         show("dispatcher round", list(m.round_durations))
+    freeze(False)
 
 
 def main() -> None:
@@ -172,17 +192,22 @@ def main() -> None:
         default=0,
         help="gen-0 GC threshold (e.g. 50000, a common server setting); 0 keeps Python's",
     )
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() before each timed phase (see the module doc); off by default",
+    )
     args = parser.parse_args()
     if args.gc_threshold:
         # many small objects per call: the default threshold (700) collects constantly
         gc.set_threshold(args.gc_threshold, 20, 20)
     print("command:", " ".join([".venv/bin/python", *sys.argv]))
     # collect between phases: one phase's garbage must not pause the next one's timings
-    asyncio.run(throughput(args.runs))
+    asyncio.run(throughput(args.runs, args.gc_freeze))
     gc.collect()
     decision_path(args.runs)
     gc.collect()
-    asyncio.run(latency(args.open_runs, args.calls))
+    asyncio.run(latency(args.open_runs, args.calls, args.gc_freeze))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ keeps the manager's order and a call's tokens are durable before its value or it
 are acknowledged. Tokens still buffered when the process dies were never streamed; the
 call runs again after recovery. Store writes go to one writer thread on SQLite (its
 single writer lock would otherwise make threads sleep in the busy handler).
+
+A call's end (`call_finished`) is buffered like its tokens: it is recorded with the run's
+next write (the next call's claim, the run's end) or the next flush, in the same
+transaction. Nothing waits on it: its outputs were committed (and acknowledged) before
+it, and recovery records the end of a call whose outputs are all set (`settle_calls`)
+instead of running it again. That takes one commit per call off the critical path of
+every step of a chain.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ class RunMeta:
     call_idx: dict[str, int] = field(default_factory=dict)  # call name -> index in run
     started: bool = False  # the store's run status is "running"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tokens: list[tuple[str, Any]] = field(default_factory=list)  # buffered token events
+    tokens: list[tuple[str, Any]] = field(default_factory=list)  # buffered events
+    finishes: list[dict[str, Any]] = field(default_factory=list)  # buffered call ends
+    pending: list[dict[str, Any]] = field(default_factory=list)  # ends taken by a write
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # call -> tokens
     first_token: dict[str, datetime] = field(default_factory=dict)  # recorded at the end
 
@@ -158,28 +167,76 @@ class StorePersister:
             meta.first_token.setdefault(call, utcnow())
             self._dirty.set()
             return
+        if type == "call_finished":  # recorded with the run's next write (module doc)
+            meta.tokens.append((type, payload))
+            meta.finishes.append(self._finish_args(meta, payload["call"]))
+            self._dirty.set()
+            return
         async with meta.lock:
-            # the run's buffered tokens go first, in the same transaction as this event
+            # the run's buffered events go first, in the same transaction as this event
             # (one commit instead of two, and the log keeps the manager's order)
             events = [*meta.tokens, (type, payload)]
             meta.tokens = []
             await self._write(run_id, meta, type, payload, events)
         self.notifier.wake(run_id)
 
+    def _finish_args(self, meta: RunMeta, call: str) -> dict[str, Any]:
+        """`Store.finish_call` arguments for a call that ended now."""
+        return {"call_id": meta.call_ids[call], "worker": self.worker, "outputs": {},
+                "completion_tokens": meta.counts.get(call, 0),
+                "first_token_at": meta.first_token.pop(call, None), "now": utcnow()}
+
+    def _record_finishes(self, finishes: list[dict[str, Any]]) -> None:
+        for args in finishes:  # on the writer thread
+            if not self.store.finish_call(**args).accepted:
+                log.warning("call %s finished without holding its claim", args["call_id"])
+
+    def _batched(self, finishes: list[dict[str, Any]], ops: list[Callable[[], Any]]) -> Any:
+        """Buffered call ends, then `ops`, in one transaction; the last op's result."""
+        with self.store.batch():
+            self._record_finishes(finishes)
+            result = None
+            for op in ops:
+                result = op()
+            return result
+
     async def _write(self, run_id: str, meta: RunMeta, type: str, payload: dict,
                      events: list[tuple[str, Any]]) -> None:
-        handler = getattr(self, f"_on_{type}", None)
-        if handler is None:  # any other event type: just log it
-            await self._db(self.store.append_events, [(run_id, t, p) for t, p in events])
-            return
-        await handler(run_id, meta, payload, events)
+        finishes, meta.finishes = meta.finishes, []
+        if finishes:  # recorded in the transaction of this event's first write
+            meta.pending = finishes
+        try:
+            handler = getattr(self, f"_on_{type}", None)
+            if handler is None:  # any other event type: just log it
+                await self._commit(meta, self.store.append_events,
+                                   [(run_id, t, p) for t, p in events])
+                return
+            await handler(run_id, meta, payload, events)
+        finally:
+            if meta.pending:  # not written (the write failed): keep them for the next one
+                meta.finishes[:0] = meta.pending
+                meta.pending = []
+
+    async def _commit(self, meta: RunMeta, fn: Callable[..., T], *args: Any,
+                      before: tuple[Callable[[], Any], ...] = (), **kw: Any) -> T:
+        """A store call on the writer thread, in one transaction with the run's buffered
+        call ends (and the `before` calls), when there are any."""
+        finishes, meta.pending = meta.pending, []
+        if not finishes and not before:
+            return await self._db(fn, *args, **kw)
+        try:
+            ops = [*before, functools.partial(fn, *args, **kw)]
+            return await self._db(self._batched, finishes, ops)
+        except BaseException:
+            meta.pending = finishes
+            raise
 
     async def _on_run_created(self, run_id: str, meta: RunMeta, payload: dict,
                               events: list) -> None:
         st = self.store
         if meta.resumed:
             # the rows exist; the manager re-announced the run while recovering it
-            await self._db(st.append_event, run_id, "run_resumed", {})
+            await self._commit(meta, st.append_event, run_id, "run_resumed", {})
             return
         program = dict(payload["program"])
         meta.program = program
@@ -197,8 +254,8 @@ class StorePersister:
         added = _plain(payload["calls"])
         calls = _descriptors(added, first)
         program = {**meta.program, "calls": [*meta.program["calls"], *added]}
-        await self._db(self.store.add_calls, meta.tenant_id, run_id, calls, program=program,
-                       events=events)
+        await self._commit(meta, self.store.add_calls, meta.tenant_id, run_id, calls,
+                           program=program, events=events)
         meta.program = program
         await self.refresh_call_ids(run_id, meta)
 
@@ -216,74 +273,67 @@ class StorePersister:
                         "task_group": None if o["group"] is None else str(o["group"])}
             for name, o in payload["calls"].items() if name in idx
         }
-        await self._db(self.store.annotate_calls, run_id, plans, events=events)
+        await self._commit(meta, self.store.annotate_calls, run_id, plans, events=events)
 
     async def _on_run_closed(self, run_id: str, meta: RunMeta, payload: dict,
                              events: list) -> None:
-        await self._db(self.store.close_run, meta.tenant_id, run_id)
+        await self._commit(meta, self.store.close_run, meta.tenant_id, run_id)
         await self._db(self.store.append_events, [(run_id, t, p) for t, p in events])
 
     async def _on_call_started(self, run_id: str, meta: RunMeta, payload: dict,
                                events: list) -> None:
         st = self.store
-        if not meta.started:
-            await self._db(st.set_run_status, run_id, "running")
-            meta.started = True
         call = payload["call"]
         meta.counts[call] = 0
         meta.first_token.pop(call, None)
-        held = await self._db(st.hold_call, meta.call_ids[call], self.worker,
-                              engine=payload.get("engine"), lease_s=self.lease_s,
-                              events=events)
+        # the run's first call also marks it running, in the same transaction
+        before = () if meta.started else (functools.partial(st.set_run_status, run_id,
+                                                             "running"),)
+        held = await self._commit(meta, st.hold_call, meta.call_ids[call], self.worker,
+                                  engine=payload.get("engine"), lease_s=self.lease_s,
+                                  events=events, before=before)
+        meta.started = True
         if not held:  # another process runs it: this manager must not, nor record anything
             self.drop(run_id)
             raise RunOwnedElsewhere(f"call {call!r} of run {run_id} is held by another worker")
 
     async def _on_variable_ready(self, run_id: str, meta: RunMeta, payload: dict,
                                  events: list) -> None:
-        changed = await self._db(self.store.set_variables, run_id,
-                                 {payload["name"]: payload["value"]}, events=events)
+        changed = await self._commit(meta, self.store.set_variables, run_id,
+                                     {payload["name"]: payload["value"]}, events=events)
         if not changed and len(events) > 1:  # value was already there: keep the tokens
             await self._db(self.store.append_events, [(run_id, t, p) for t, p in events[:-1]])
 
     async def _on_variable_failed(self, run_id: str, meta: RunMeta, payload: dict,
                                   events: list) -> None:
         st = self.store
-        failed = await self._db(st.fail_variable, run_id, payload["name"], payload["error"])
+        failed = await self._commit(meta, st.fail_variable, run_id, payload["name"],
+                                    payload["error"])
         kept = events if failed else events[:-1]
         if kept:
             await self._db(st.append_events, [(run_id, t, p) for t, p in kept])
-
-    async def _on_call_finished(self, run_id: str, meta: RunMeta, payload: dict,
-                                events: list) -> None:
-        call = payload["call"]
-        result = await self._db(
-            self.store.finish_call, meta.call_ids[call], self.worker, {},
-            completion_tokens=meta.counts.get(call, 0),
-            first_token_at=meta.first_token.pop(call, None), events=events)
-        if not result.accepted:
-            log.warning("run %s: call %r finished without holding its claim", run_id, call)
 
     async def _on_call_failed(self, run_id: str, meta: RunMeta, payload: dict,
                               events: list) -> None:
         st = self.store
         call_id = meta.call_ids[payload["call"]]
         # a call failed because an input failed never ran: claim it to record the failure
-        await self._db(st.hold_call, call_id, self.worker, start=False, lease_s=self.lease_s)
+        await self._commit(meta, st.hold_call, call_id, self.worker, start=False,
+                           lease_s=self.lease_s)
         await self._db(st.fail_call, call_id, self.worker, payload["error"], events=events)
 
     async def _on_run_finished(self, run_id: str, meta: RunMeta, payload: dict,
                                events: list) -> None:
-        changed = await self._db(self.store.set_run_status, run_id,
-                                 _RUN_STATUS[payload["status"]], events=events)
+        changed = await self._commit(meta, self.store.set_run_status, run_id,
+                                     _RUN_STATUS[payload["status"]], events=events)
         if not changed and len(events) > 1:
             await self._db(self.store.append_events, [(run_id, t, p) for t, p in events[:-1]])
 
     # ------------------------------------------------------------------ tokens
     async def flush_all(self) -> None:
-        """Write every run's buffered tokens in one transaction (one commit per flush,
-        however many runs are generating: commits, not rows, are what cost)."""
-        dirty = sorted(r for r, m in self.runs.items() if m.tokens)
+        """Write every run's buffered events and call ends in one transaction (one commit
+        per flush, however many runs are generating: commits, not rows, are what cost)."""
+        dirty = sorted(r for r, m in self.runs.items() if m.tokens or m.finishes)
         if not dirty:
             return
         metas = [self.runs[r] for r in dirty]
@@ -292,10 +342,20 @@ class StorePersister:
             for meta in metas:
                 await stack.enter_async_context(meta.lock)
             batch = [(r, t, p) for r, m in zip(dirty, metas, strict=True) for t, p in m.tokens]
+            finishes = [f for m in metas for f in m.finishes]
+            taken = [m.finishes for m in metas]
             for meta in metas:
-                meta.tokens = []
-            if batch:
-                await self._db(self.store.append_events, batch)
+                meta.tokens, meta.finishes = [], []
+            append = functools.partial(self.store.append_events, batch)
+            try:
+                if finishes:
+                    await self._db(self._batched, finishes, [append])
+                elif batch:
+                    await self._db(append)
+            except BaseException:  # the events are lost; the call ends are kept
+                for meta, ends in zip(metas, taken, strict=True):
+                    meta.finishes[:0] = ends
+                raise
         for run_id in dirty:
             self.notifier.wake(run_id)
 

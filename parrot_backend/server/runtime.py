@@ -208,6 +208,8 @@ class NativeRuntime:
     async def _resume(self, record: RunRecord) -> None:
         tenant = await asyncio.to_thread(self.store.get_tenant, record.tenant_id)
         self._tenants[tenant.name] = tenant.id
+        # calls whose end was lost after their outputs were committed: done, not run again
+        await asyncio.to_thread(self.store.settle_calls, record.id, self.worker)
         detail = await asyncio.to_thread(self.store.get_run, tenant.id, record.id)
         ready = {n: v for n, v in detail.variables.items() if v.status == "ready"}
         inputs = {n: v.value or "" for n, v in ready.items() if v.producer_call is None}

@@ -262,6 +262,48 @@ class CallsMixin(StoreBase):
             seqs = append_in(c, [(run_id, t, p) for t, p in events], now)
             return FinishResult(True, tuple(changed), tuple(seqs))
 
+    def settle_calls(
+        self,
+        run_id: str,
+        worker: str,
+        *,
+        events: bool = True,
+        now: datetime | None = None,
+    ) -> list[str]:
+        """Mark done the unfinished calls of a run whose outputs are all ready: their end
+        was lost in a crash after their values were committed (recovery does not run them
+        again). Calls another worker holds under a live lease are left alone. With
+        ``events`` a ``call_finished`` event (``"recovered": true``) is appended for each,
+        in the same transaction. Returns the names (or ``#<idx>``) of the calls settled."""
+        now = now or utcnow()
+        with self._conn_write() as c:
+            ready = set(c.scalars(select(Variable.__table__.c.name).where(
+                Variable.__table__.c.run_id == run_id, Variable.__table__.c.status == "ready")))
+            rows = c.execute(
+                select(_C.id, _C.idx, _C.name, _C.outputs)
+                .where(_C.run_id == run_id, _C.status.notin_(("done", "failed")))
+                .order_by(_C.idx)
+            ).all()
+            settled = []
+            for call_id, idx, name, outputs in rows:
+                if not all(o in ready for o in outputs):
+                    continue
+                done = c.execute(
+                    update(_CALLS)
+                    .where(_C.id == call_id, or_(
+                        _C.status == "pending",
+                        and_(_C.status.in_(CALL_HELD),
+                             or_(_C.lease_expires_at < now, _C.claimed_by == worker))))
+                    .values(status="done", finished_at=now, lease_expires_at=None,
+                            claimed_by=worker)
+                ).rowcount
+                if done:
+                    settled.append(name if name is not None else f"#{idx}")
+            if events and settled:
+                append_in(c, [(run_id, "call_finished", {"call": n, "recovered": True})
+                              for n in settled], now)
+            return settled
+
     def fail_call(
         self,
         call_id: int,

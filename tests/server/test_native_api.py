@@ -69,6 +69,14 @@ async def test_events_carry_tokens_and_resume_after_last_event_id(tmp_path) -> N
         last_tok = max(i for i, e in enumerate(events)
                        if e["event"] == "token" and e["data"]["variable"] == "y")
         assert last_tok < ready_y
+        # the log keeps the manager's order, call ends (written with the run's next
+        # write) included
+        steps = [(e["event"], e["data"].get("name") or e["data"].get("call"))
+                 for e in events if e["event"] != "token"]
+        assert steps[2:] == [("call_started", "a"), ("variable_ready", "y"),
+                             ("call_finished", "a"), ("call_started", "b"),
+                             ("variable_ready", "z"), ("call_finished", "b"),
+                             ("run_finished", None)]
         for cut in (1, 5, len(events) - 1):
             tail = sse_events((await c.get(f"/v1/runs/{rid}/events",
                                            headers={"Last-Event-ID": str(cut)})).text)
@@ -205,6 +213,44 @@ async def test_runs_resume_after_a_restart_without_recomputing(tmp_path) -> None
         detail = (await c.get(f"/v1/runs/{rid}")).json()
         assert detail["variables"]["y"] == y_before  # same value, same set_at
         assert not any("Start" in g.prompt for g in engine2.generations)  # a not rerun
+
+
+async def test_a_call_end_lost_in_a_crash_is_recorded_at_recovery(tmp_path) -> None:
+    """A call's end is buffered (nothing waits on it). Lost in a crash, recovery records
+    it (the call's outputs are all set): nothing is generated again, the value stays."""
+    url = f"sqlite:///{tmp_path / 'parrot.db'}"
+    async with native_app(tmp_path, url=url, flush_interval_s=3600) as (c, rt):
+        rid = (await c.post("/v1/runs", json=run_body(CHAIN[0], inputs={"x": "go"},
+                                                      open=True))).json()["run_id"]
+        await c.get(f"/v1/runs/{rid}/variables/y", params={"timeout": 10})
+        for _ in range(500):  # the manager finishes call a right after y
+            if rt.persister.runs[rid].finishes:
+                break
+            await asyncio.sleep(0.01)
+        detail = (await c.get(f"/v1/runs/{rid}")).json()
+        assert detail["calls"][0]["status"] == "running"  # its end is not written yet
+        y_before = detail["variables"]["y"]
+        meta = rt.persister.runs[rid]  # "crash": what is buffered is lost
+        meta.tokens.clear()
+        meta.finishes.clear()
+        rt.persister.frozen = True
+    engine2 = ScriptedEngine(reply=echo)
+    async with native_app(tmp_path, engine=engine2, url=url) as (c, rt):
+        assert rt.recovered == [rid]
+        added = await c.post(f"/v1/runs/{rid}/calls", json={"calls": [CHAIN[1]]})
+        assert added.status_code == 200, added.text
+        assert (await c.post(f"/v1/runs/{rid}/close")).status_code == 200
+        events = await finished(c, rid)
+        detail = (await c.get(f"/v1/runs/{rid}")).json()
+        assert detail["variables"]["y"] == y_before
+        assert detail["variables"]["z"]["value"] == "<<go>>"
+        assert [(k["name"], k["status"], k["attempts"]) for k in detail["calls"]] == [
+            ("a", "done", 1), ("b", "done", 1)]
+        assert not any("Start" in g.prompt for g in engine2.generations)  # a generated nothing
+        ready = [e["data"]["name"] for e in events if e["event"] == "variable_ready"]
+        assert ready.count("y") == 1
+        ends = [e["data"] for e in events if e["event"] == "call_finished"]
+        assert ends == [{"call": "a", "recovered": True}, {"call": "b"}]  # the end, recorded
 
 
 def test_sse_stream_disconnect_releases_the_run(tmp_path) -> None:

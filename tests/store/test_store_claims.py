@@ -271,3 +271,18 @@ def test_set_variables_checks_tenant_and_takes_new_names_on_open_runs(store: Sto
     assert [e.type for e in store.read_events(a.id, run)] == ["set"]
     with pytest.raises(NotFoundError):
         store.set_variables("no-such-run", {"q": "x"})
+
+
+def test_settle_calls_records_lost_ends_of_calls_whose_outputs_are_set(store: Store,
+                                                                       tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(3), {"q": "?"}).run.id
+    ids = [c.id for c in store.get_run(tenant, run).calls]
+    assert store.hold_call(ids[0], "w1")  # a0 set, end lost; the claim is w1's own
+    assert store.set_variables(run, {"a0": "x", "a1": "y"}) == ["a0", "a1"]
+    assert store.hold_call(ids[1], "w2")  # another worker's live claim: left alone
+    assert store.settle_calls(run, "w1") == ["f0"]
+    calls = store.get_run(tenant, run).calls
+    assert [c.status for c in calls] == ["done", "running", "pending"]  # f2: a2 not set
+    assert [e.payload for e in store.read_events(tenant, run)] == [
+        {"call": "f0", "recovered": True}]
+    assert store.settle_calls(run, "w1") == []  # nothing left to settle

@@ -95,8 +95,14 @@ async def main(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             url = args.url or f"sqlite:///{tmp / f'round{r}.db'}"
             work = (args.runs, args.calls, args.tokens)
-            off, n_off, cpu_off = await workload(engine, url, False, *work)
-            on, n_on, cpu_on = await workload(engine, url, True, *work)
+            # alternate which mode goes first: drift on a shared machine then favours
+            # neither
+            if r % 2:
+                on, n_on, cpu_on = await workload(engine, url, True, *work)
+                off, n_off, cpu_off = await workload(engine, url, False, *work)
+            else:
+                off, n_off, cpu_off = await workload(engine, url, False, *work)
+                on, n_on, cpu_on = await workload(engine, url, True, *work)
             ratios.append(on / off)
             print(f"round {r}: store off {off:8.1f} tok/s ({n_off} tok, cpu {cpu_off:.2f} s)"
                   f"   store on {on:8.1f} tok/s ({n_on} tok, cpu {cpu_on:.2f} s)"

@@ -21,6 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from parrot_backend.engine.engine import Engine
@@ -28,6 +29,9 @@ from parrot_backend.program import RunSpec
 from parrot_backend.server.native_api import wait_value
 from parrot_backend.server.runtime import NativeRuntime
 from parrot_backend.store import Store
+
+# event type -> seconds the manager waited on the store's listener (store-on runs)
+WAITS: dict[str, list[float]] = defaultdict(list)
 
 
 def tiny_model(out: Path) -> Path:
@@ -67,6 +71,15 @@ async def workload(engine: Engine, url: str, persist: bool, runs: int, calls: in
     the store's listener on (off: the same runtime and path, no event is written)."""
     store = Store(url)
     rt = NativeRuntime(store, {"e0": engine}, persist=persist)
+    if persist:  # time the listener: how long each event waits for its commit
+        on_event = rt.persister.on_event
+
+        async def timed(run_id: str, type: str, payload: dict) -> None:
+            t = time.perf_counter()
+            await on_event(run_id, type, payload)
+            WAITS[type].append(time.perf_counter() - t)
+
+        rt.persister.on_event = timed  # type: ignore[method-assign]
     await rt.manager.start()
     rt.persister.start()
     await rt.tenant_id("bench")
@@ -91,6 +104,7 @@ async def main(args: argparse.Namespace) -> None:
     async with engine:
         await workload(engine, args.url or f"sqlite:///{tmp / 'warm.db'}", True, 4, 1, 8)
         await workload(engine, args.url or f"sqlite:///{tmp / 'warm2.db'}", False, 4, 1, 8)
+        WAITS.clear()
         ratios = []
         for r in range(args.rounds):
             url = args.url or f"sqlite:///{tmp / f'round{r}.db'}"
@@ -107,6 +121,12 @@ async def main(args: argparse.Namespace) -> None:
             print(f"round {r}: store off {off:8.1f} tok/s ({n_off} tok, cpu {cpu_off:.2f} s)"
                   f"   store on {on:8.1f} tok/s ({n_on} tok, cpu {cpu_on:.2f} s)"
                   f"   on/off {on / off:.3f}")
+    print("store-on: time the manager waits for each event's commit (on a chain, "
+          "variable_ready + call_started are the critical path of every step)")
+    for type, waits in sorted(WAITS.items()):
+        ms = sorted(1000 * w for w in waits)
+        print(f"  {type:15s} n={len(ms):5d}  mean {statistics.fmean(ms):6.2f} ms  "
+              f"p50 {ms[len(ms) // 2]:6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms")
     median = statistics.median(ratios)
     print(f"median on/off throughput ratio: {median:.3f} (cost {100 * (1 - median):.1f} %)")
     shutil.rmtree(tmp, ignore_errors=True)

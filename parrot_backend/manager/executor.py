@@ -4,7 +4,11 @@
 is *ready*: it is rendered (segment-wise tokens, `render.py`), its prefixes are computed
 (`prefix.py`), and it waits for the dispatcher. Each dispatcher round takes every ready
 call, picks which prefixes to share (`sharing.py`), asks `policy.schedule` for engines,
-and starts the assigned calls. A running call forks from its shared prefix, fills and
+and starts the assigned calls. With a backlog, a round offers the policy only as many
+calls as the engines have batch slots (`Manager._window`: aged, then latency, then
+throughput calls, each run its fair share first); a task group's members all count
+against the slots and are offered together or not at all, and a group larger than the
+slots is offered whole when it comes first in that order. A running call forks from its shared prefix, fills and
 generates (`execute.py`); every generated value makes its consumers ready at once.
 
 Objectives come from `objectives.deduce` over the run's declared outputs and the
@@ -614,29 +618,57 @@ class Manager:
     def _window(self, slots: int) -> list[_Ready]:
         """The pending calls worth offering to the policy this round.
 
-        At most `max_batch - batch_size` calls fit on each engine, so when more are pending
-        only that many are offered: aged calls, then latency calls, then throughput calls;
-        within each kind every run first gets an equal share of the slots (a run with a
-        thousand ready calls does not hold back one with a single call), then the oldest
-        fill the rest; plus the other pending members of their task groups (gangs stay
-        whole). Without this,
-        a backlog makes every round cost as much as the whole backlog. `_pending` is in
-        enqueue order, so the oldest come first.
+        At most `max_batch - batch_size` calls fit on each engine (`slots` in all), so when
+        more are pending only about that many are offered. Order of choice: aged calls
+        (oldest first), then latency calls, then throughput calls; within each kind every
+        run first gets an equal share of the slots (a run with a thousand ready calls does
+        not hold back one with a single call), then the oldest fill the rest. A call in a
+        task group brings every pending member of its group, and they all count against
+        the slots and its run's share: groups are never split. A group that does not fit
+        in the slots left is passed over this round (smaller work after it may fill
+        them), unless nothing is chosen yet: the first unit in this order is always
+        offered whole, even a group larger than all the slots (no starvation: an aged
+        call comes first). Without the window a backlog makes every round cost as much as
+        the whole backlog. `_pending` is in enqueue order, so the oldest come first.
         """
         pending = self._pending
         if len(pending) <= slots:
             return list(pending.values())
         # each pass below stops once the slots are taken: a round costs in the slots, not
         # in the backlog (the counters say how many runs and latency calls are pending)
-        old = self.clock() - self.config.policy.aging_s
         chosen: dict[str, _Ready] = {}
+        taken: Counter[str] = Counter()
+        passed: set[tuple[str, int]] = set()  # groups that did not fit this round
+
+        def take(r: _Ready) -> None:
+            """Choose `r`, with its whole task group when it has one, if it fits."""
+            if r.group is None:
+                chosen[r.call_id] = r
+                taken[r.run.run_id] += 1
+                return
+            gkey = (r.run.run_id, r.group)
+            if gkey in passed:
+                return
+            members = [
+                q
+                for q in r.run.queued.values()
+                if q.group == r.group and pending.get(q.call_id) is q and q.call_id not in chosen
+            ]
+            if chosen and len(chosen) + len(members) > slots:
+                passed.add(gkey)
+                return
+            for q in members:
+                chosen[q.call_id] = q
+            taken[r.run.run_id] += len(members)
+
+        old = self.clock() - self.config.policy.aging_s
         for r in pending.values():
             if r.enqueued_at >= old or len(chosen) >= slots:
                 break
-            chosen[r.call_id] = r
+            if r.call_id not in chosen:
+                take(r)
         # fairness: each run first gets an equal share of the slots, then the oldest fill up
         share = max(1, slots // len(self._pending_runs))
-        taken = Counter(r.run.run_id for r in chosen.values())
         for want_latency in (True, False):
             if want_latency:
                 if not self._pending_latency:
@@ -654,17 +686,7 @@ class Manager:
                         continue
                     if fair and taken[r.run.run_id] >= share:
                         continue
-                    chosen[r.call_id] = r
-                    taken[r.run.run_id] += 1
-        # the other pending members of the chosen calls' task groups
-        groups: dict[str, tuple[Run, set[int]]] = {}
-        for r in chosen.values():
-            if r.group is not None:
-                groups.setdefault(r.run.run_id, (r.run, set()))[1].add(r.group)
-        for run, ids in groups.values():
-            for r in run.queued.values():
-                if r.group in ids and pending.get(r.call_id) is r:
-                    chosen.setdefault(r.call_id, r)
+                    take(r)
         return list(chosen.values())
 
     async def _stats(self, engine_id: str) -> EngineStats | None:

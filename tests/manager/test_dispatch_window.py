@@ -13,19 +13,41 @@ from parrot_backend.manager.policy import PolicyConfig
 from parrot_backend.manager.render import CallPlan
 from parrot_backend.manager.runs import Run
 from parrot_backend.manager.scripted import ScriptedEngine
-from parrot_backend.program import Program
+from parrot_backend.program import Program, RunSpec
 
 
 def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
+    """The rule, restated plainly: a call brings its whole task group, every member counts
+    against the slots (and its run's share); a group that does not fit in the slots left
+    is passed over, unless nothing is chosen yet."""
     if len(pending) <= slots:
         return {r.call_id for r in pending}
     chosen: dict[str, _Ready] = {}
+    taken: Counter[str] = Counter()
+    passed: set[tuple[str, int]] = set()
+
+    def unit(r: _Ready) -> list[_Ready]:
+        if r.group is None:
+            return [r]
+        return [q for q in pending if q.run is r.run and q.group == r.group]
+
+    def take(r: _Ready) -> None:
+        if r.group is not None and (r.run.run_id, r.group) in passed:
+            return
+        members = unit(r)
+        if chosen and len(chosen) + len(members) > slots:
+            passed.add((r.run.run_id, r.group))  # type: ignore[arg-type]
+            return
+        for q in members:
+            chosen[q.call_id] = q
+        taken[r.run.run_id] += len(members)
+
     for r in pending:
         if r.enqueued_at >= old or len(chosen) >= slots:
             break
-        chosen[r.call_id] = r
+        if r.call_id not in chosen:
+            take(r)
     share = max(1, slots // len({r.run.run_id for r in pending}))
-    taken = Counter(r.run.run_id for r in chosen.values())
     for want_latency in (True, False):
         for fair in (True, False):
             for r in pending:
@@ -35,12 +57,7 @@ def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
                     continue
                 if fair and taken[r.run.run_id] >= share:
                     continue
-                chosen[r.call_id] = r
-                taken[r.run.run_id] += 1
-    groups = {(r.run.run_id, r.group) for r in chosen.values() if r.group is not None}
-    for r in pending:
-        if (r.run.run_id, r.group) in groups:
-            chosen.setdefault(r.call_id, r)
+                take(r)
     return set(chosen)
 
 
@@ -79,3 +96,129 @@ def test_window_picks_what_the_rule_says() -> None:
         slots = rng.randint(0, 40)
         got = {r.call_id for r in m._window(slots)}
         assert got == reference_window(order, slots, now[0] - 10.0), trial
+
+
+def _ready(run: Run, name: str, at: float, group: int | None, objective="throughput") -> _Ready:
+    return _Ready(f"{run.run_id}/{name}", run, name, CallPlan([], [], 1), (), None, at, objective, group)
+
+
+def test_a_group_is_never_split_and_counts_against_the_slots() -> None:
+    now = [100.0]
+    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    runs = [Run(f"r{i}", Program(), None, "t:", True, {}, EventLog(f"r{i}")) for i in range(4)]
+    for i, run in enumerate(runs):  # four runs, each a group of 3 and a single call
+        for k in range(3):
+            m._queue(_ready(run, f"m{k}", 99.0 + i * 0.01, 0))
+        m._queue(_ready(run, "s", 99.5, None))
+    window = m._window(7)
+    # fair share 7 // 4 = 1: r0's group (3), r1's group (3), then r2's group does not fit
+    # the one slot left (passed over) and r2's single takes it
+    assert [r.call_id for r in window] == [
+        "r0/m0", "r0/m1", "r0/m2", "r1/m0", "r1/m1", "r1/m2", "r2/s"
+    ]
+
+
+def test_a_group_larger_than_the_slots_is_offered_whole_when_it_comes_first() -> None:
+    now = [100.0]
+    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    big = Run("big", Program(), None, "t:", True, {}, EventLog("big"))
+    small = Run("small", Program(), None, "t:", True, {}, EventLog("small"))
+    for k in range(6):
+        m._queue(_ready(big, f"m{k}", 99.0, 0))
+    for k in range(3):
+        m._queue(_ready(small, f"s{k}", 99.5, None))
+    assert [r.name for r in m._window(4)] == [f"m{k}" for k in range(6)]
+    # behind younger calls of another run it waits (passed over) ...
+    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    for k in range(3):
+        m._queue(_ready(small, f"s{k}", 95.0, None))
+    for k in range(6):
+        m._queue(_ready(big, f"m{k}", 99.0, 0))
+    assert [r.name for r in m._window(4)] == ["s0", "s1", "s2"]
+    # ... until it has waited `aging_s`; the smaller aged calls before it go first, and
+    # it comes first once they are gone
+    now[0] = 109.5
+    assert [r.name for r in m._window(4)] == ["s0", "s1", "s2"]
+    for k in range(3):
+        m._unqueue(small, f"s{k}")
+    m._queue(_ready(small, "late", 109.0, None))
+    assert [r.name for r in m._window(4)] == [f"m{k}" for k in range(6)]
+
+
+def _map_reduce(i: int, maps: int, max_tokens: int) -> RunSpec:
+    calls = [
+        {
+            "name": f"m{k}",
+            "template": f"Map {{{{input:c{k}}}}} {{{{output:s{k}}}}}",
+            "outputs": {f"s{k}": {"max_tokens": max_tokens}},
+        }
+        for k in range(maps)
+    ]
+    reads = " ".join(f"{{{{input:s{k}}}}}" for k in range(maps))
+    calls.append({"name": "r", "template": f"Reduce {reads} {{{{output:total}}}}"})
+    return RunSpec.model_validate(
+        {
+            "program": {"calls": calls},
+            "inputs": {f"c{k}": f"d{i}x{k}" for k in range(maps)},
+            "outputs": {"total": "throughput"},
+        }
+    )
+
+
+def _echo(prompt: str) -> str:
+    return f"<{prompt.split()[-1]}>"
+
+
+def _watch_windows(m: Manager) -> list[tuple[int, list[_Ready], dict[str, _Ready]]]:
+    seen: list[tuple[int, list[_Ready], dict[str, _Ready]]] = []
+    inner = m._window
+
+    def window(slots: int) -> list[_Ready]:
+        before = dict(m._pending)
+        got = inner(slots)
+        seen.append((slots, got, before))
+        return got
+
+    m._window = window  # type: ignore[method-assign]
+    return seen
+
+
+def _check_windows(seen: list[tuple[int, list[_Ready], dict[str, _Ready]]]) -> None:
+    for slots, got, before in seen:
+        groups = {(r.run.run_id, r.group) for r in got if r.group is not None}
+        for r in before.values():  # every pending member of an offered group is offered
+            if (r.run.run_id, r.group) in groups:
+                assert r in got
+        first = got[0] if got else None
+        whole_first = first is not None and first.group is not None and all(
+            r.run is first.run and r.group == first.group for r in got
+        )
+        assert len(got) <= slots or whole_first
+
+
+async def test_memory_tight_engine_runs_every_group_whole() -> None:
+    # each map needs ~16 + 40 tokens of KV: about two groups of four fit at once, while
+    # the batch has room for twice that; every run still finishes with the right values
+    engine = ScriptedEngine(reply=_echo, capacity_tokens=16 * 30, record=False)
+    config = ManagerConfig(policy=PolicyConfig(max_batch=16))
+    async with Manager({"e0": engine}, config=config) as m:
+        seen = _watch_windows(m)
+        ids = [await m.create_run(_map_reduce(i, 4, 40)) for i in range(12)]
+        for i, rid in enumerate(ids):
+            assert await m.get(rid, "total") == f"<<d{i}x3>>"
+        assert any(len(before) > slots for slots, _, before in seen)  # a backlog formed
+        assert max(len(got) for _, got, _ in seen) <= 16  # never the whole backlog
+    _check_windows(seen)
+
+
+async def test_a_group_larger_than_max_batch_still_runs() -> None:
+    engine = ScriptedEngine(reply=_echo, record=False)
+    config = ManagerConfig(policy=PolicyConfig(max_batch=4, aging_s=0.05))
+    async with Manager({"e0": engine}, config=config) as m:
+        seen = _watch_windows(m)
+        small = [await m.create_run(_map_reduce(i, 2, 8)) for i in range(3)]
+        big = await m.create_run(_map_reduce(99, 6, 8))
+        assert await m.get(big, "total") == "<<d99x5>>"
+        for i, rid in enumerate(small):
+            assert await m.get(rid, "total") == f"<<d{i}x1>>"
+    _check_windows(seen)

@@ -7,7 +7,18 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Text, bindparam, func, insert, select, update
+from sqlalchemy import (
+    Connection,
+    Row,
+    String,
+    Text,
+    bindparam,
+    case,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from parrot_backend.store.base import (
@@ -31,57 +42,75 @@ from parrot_backend.store.models import Call, CallInput, Run, Variable
 from parrot_backend.store.plan import CallPlan, check_producers, parse_calls
 from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun
 
+_RUNS = Run.__table__
+_VARS = Variable.__table__
+_CALLS = Call.__table__
+_EDGES = CallInput.__table__
+_NEW_VARS = insert(_VARS).returning(_VARS.c.name, _VARS.c.id, sort_by_parameter_order=True)
+_NEW_CALLS = insert(_CALLS).returning(_CALLS.c.id, sort_by_parameter_order=True)
+_SET_PRODUCER = (
+    update(_VARS)
+    .where(_VARS.c.run_id == bindparam("rid"), _VARS.c.name == bindparam("vname"))
+    .values(producer_call=bindparam("producer"))
+)
+
 
 def _insert_calls(
-    s: Session, run_id: str, plans: Sequence[CallPlan], first_idx: int, now: datetime
+    c: Connection, run_id: str, plans: Sequence[CallPlan], first_idx: int, now: datetime,
+    variables: dict[str, int] | None = None,
 ) -> None:
-    """Insert calls, their variables (pending when new) and the DAG's input edges."""
-    variables = {v.name: v for v in s.scalars(select(Variable).where(Variable.run_id == run_id))}
+    """Insert calls, their variables (pending when new) and the DAG's input edges.
+    ``variables``: the run's variables (name -> id), when the caller knows them."""
+    if variables is None:
+        variables = dict(c.execute(
+            select(_VARS.c.name, _VARS.c.id).where(_VARS.c.run_id == run_id)).all())
+    producer: dict[str, int] = {}
+    new: dict[str, None] = {}  # in first-use order
     for offset, plan in enumerate(plans):
         for name in (*plan.inputs, *plan.outputs):
             if name not in variables:
-                variables[name] = Variable(run_id=run_id, name=name, status="pending")
-                s.add(variables[name])
+                new[name] = None
         for out in plan.outputs:
-            variables[out].producer_call = first_idx + offset
-    calls = [
-        Call(
-            run_id=run_id,
-            idx=first_idx + offset,
-            name=plan.name,
-            inputs=list(plan.inputs),
-            outputs=list(plan.outputs),
-            status="pending",
-            objective=plan.objective,
-            task_group=plan.task_group,
-            attempts=0,
-            queued_at=now,
-        )
+            producer[out] = first_idx + offset
+    if new:
+        variables.update(c.execute(_NEW_VARS, [
+            {"run_id": run_id, "name": n, "status": "pending", "producer_call": producer.get(n)}
+            for n in new
+        ]).all())
+    known = [{"rid": run_id, "vname": n, "producer": i} for n, i in producer.items()
+             if n not in new]
+    if known:
+        c.execute(_SET_PRODUCER, known)
+    ids = c.execute(_NEW_CALLS, [
+        {"run_id": run_id, "idx": first_idx + offset, "name": plan.name,
+         "inputs": list(plan.inputs), "outputs": list(plan.outputs), "status": "pending",
+         "objective": plan.objective, "task_group": plan.task_group, "attempts": 0,
+         "queued_at": now}
         for offset, plan in enumerate(plans)
-    ]
-    s.add_all(calls)
-    s.flush()
+    ]).scalars().all()
     edges = [
-        {"call_id": call.id, "variable_id": variables[name].id}
-        for call, plan in zip(calls, plans, strict=True)
+        {"call_id": call_id, "variable_id": variables[name]}
+        for call_id, plan in zip(ids, plans, strict=True)
         for name in plan.inputs
     ]
     if edges:
-        s.execute(insert(CallInput), edges)
+        c.execute(insert(_EDGES), edges)
 
 
-def _owned_run(s: Session, tenant_id: int, run_id: str) -> Run:
-    run = s.get(Run, run_id)
+def _owned_run(db: Session | Connection, tenant_id: int, run_id: str) -> Row[Any]:
+    """The run's row (every column), if it is the tenant's."""
+    conn = db.connection() if isinstance(db, Session) else db
+    run = conn.execute(select(_RUNS).where(_RUNS.c.id == run_id)).first()
     if run is None or run.tenant_id != tenant_id:
         raise NotFoundError(f"no run {run_id!r}")
     return run
 
 
-def _detail(s: Session, run: Run) -> RunDetail:
-    variables = s.scalars(
-        select(Variable).where(Variable.run_id == run.id).order_by(Variable.id)
-    )
-    calls = s.scalars(select(Call).where(Call.run_id == run.id).order_by(Call.idx))
+def _detail(db: Session | Connection, run: Row[Any]) -> RunDetail:
+    conn = db.connection() if isinstance(db, Session) else db
+    variables = conn.execute(
+        select(_VARS).where(_VARS.c.run_id == run.id).order_by(_VARS.c.id))
+    calls = conn.execute(select(_CALLS).where(_CALLS.c.run_id == run.id).order_by(_CALLS.c.idx))
     return RunDetail(
         run=run_record(run),
         program=run.program,
@@ -91,7 +120,6 @@ def _detail(s: Session, run: Run) -> RunDetail:
     )
 
 
-_RUNS = Run.__table__
 # Prebuilt (a hot path: every run starts and finishes through it).
 _SET_STATUS = (
     update(_RUNS)
@@ -101,6 +129,18 @@ _SET_STATUS = (
             finished_at=func.coalesce(bindparam("finished_at", type_=UTCDateTime()),
                                       _RUNS.c.finished_at),
             error=func.coalesce(bindparam("error", type_=Text()), _RUNS.c.error))
+)
+
+
+_ANNOTATE = (
+    update(_CALLS)
+    .where(_CALLS.c.run_id == bindparam("rid"), _CALLS.c.idx == bindparam("b_idx"))
+    .values(
+        objective=case((bindparam("has_objective"), bindparam("b_objective", type_=String())),
+                       else_=_CALLS.c.objective),
+        task_group=case((bindparam("has_group"), bindparam("b_task_group", type_=String())),
+                        else_=_CALLS.c.task_group),
+    )
 )
 
 
@@ -140,34 +180,25 @@ class RunsMixin(StoreBase):
         check_producers(plans, {}, inputs, 0)
         now = utcnow()
         run_id = run_id or uuid.uuid4().hex
-        with self._write() as s:
+        with self._conn_write() as c:
             if replay_of is not None:
-                _owned_run(s, tenant_id, replay_of)
-            run = Run(
-                id=run_id,
-                tenant_id=tenant_id,
-                workflow_id=workflow_id,
-                program=dict(program),
-                inputs=inputs,
-                objectives=objectives,
-                status="pending",
-                open=open,
-                created_at=now,
-                replay_of=replay_of,
-                event_seq=0,
-                owner=owner,
+                _owned_run(c, tenant_id, replay_of)
+            c.execute(insert(_RUNS).values(
+                id=run_id, tenant_id=tenant_id, workflow_id=workflow_id, program=dict(program),
+                inputs=inputs, objectives=objectives, status="pending", open=open,
+                created_at=now, replay_of=replay_of, event_seq=0, owner=owner,
                 owner_lease_expires_at=(now + timedelta(seconds=owner_lease_s)
-                                        if owner else None),
-            )
-            s.add(run)
-            for name, value in inputs.items():
-                s.add(Variable(run_id=run_id, name=name, value=value, status="ready", set_at=now))
-            s.flush()
-            _insert_calls(s, run_id, plans, 0, now)
+                                        if owner else None)))
+            variables: dict[str, int] = {}
+            if inputs:
+                variables.update(c.execute(_NEW_VARS, [
+                    {"run_id": run_id, "name": name, "value": value, "status": "ready",
+                     "set_at": now} for name, value in inputs.items()
+                ]).all())
+            _insert_calls(c, run_id, plans, 0, now, variables)
             if events:
-                append_in(s, [(run_id, t, p) for t, p in events], now)
-            s.refresh(run)
-            return _detail(s, run)
+                append_in(c, [(run_id, t, p) for t, p in events], now)
+            return _detail(c, c.execute(select(_RUNS).where(_RUNS.c.id == run_id)).one())
 
     def add_calls(
         self,
@@ -182,27 +213,27 @@ class RunsMixin(StoreBase):
         stored program JSON (the caller's merged program), when given; ``events`` are
         appended in the same transaction."""
         plans = parse_calls(calls)
-        with self._write() as s:
-            run = _owned_run(s, tenant_id, run_id)
+        with self._conn_write() as c:
+            run = _owned_run(c, tenant_id, run_id)
             if not run.open:
                 raise InvalidRequestError(f"run {run_id!r} is closed")
             if run.status in RUN_FINISHED:
                 raise InvalidRequestError(f"run {run_id!r} is {run.status}")
-            rows = s.execute(
-                select(Variable.name, Variable.producer_call, Variable.status).where(
-                    Variable.run_id == run_id
-                )
+            rows = c.execute(
+                select(_VARS.c.name, _VARS.c.id, _VARS.c.producer_call, _VARS.c.status)
+                .where(_VARS.c.run_id == run_id)
             ).all()
-            produced = {n: p for n, p, _ in rows if p is not None}
-            given = [n for n, p, st in rows if p is None and st == "ready"]
-            last = s.scalar(select(func.max(Call.idx)).where(Call.run_id == run_id))
+            produced = {n: p for n, _, p, _ in rows if p is not None}
+            given = [n for n, _, p, st in rows if p is None and st == "ready"]
+            last = c.scalar(select(func.max(_CALLS.c.idx)).where(_CALLS.c.run_id == run_id))
             first = 0 if last is None else last + 1
             check_producers(plans, produced, given, first)
-            _insert_calls(s, run_id, plans, first, utcnow())
+            _insert_calls(c, run_id, plans, first, utcnow(), {n: i for n, i, _, _ in rows})
             if program is not None:
-                run.program = dict(program)
+                c.execute(update(_RUNS).where(_RUNS.c.id == run_id)
+                          .values(program=dict(program)))
             if events:
-                append_in(s, [(run_id, t, p) for t, p in events])
+                append_in(c, [(run_id, t, p) for t, p in events])
             return list(range(first, first + len(plans)))
 
     def annotate_calls(
@@ -214,22 +245,20 @@ class RunsMixin(StoreBase):
     ) -> int:
         """Record the manager's deductions per call index: ``objective`` and ``task_group``
         (with ``events`` appended in the same transaction)."""
-        n = 0
-        with self._write() as s:
+        rows = []
+        for idx, plan in plans.items():
+            if plan.get("objective") not in (None, *OBJECTIVES):
+                raise InvalidRequestError(f"call {idx}: bad objective {plan['objective']!r}")
+            if "objective" not in plan and "task_group" not in plan:
+                continue
+            # a key left out keeps its value
+            rows.append({"rid": run_id, "b_idx": idx, "has_objective": "objective" in plan,
+                         "b_objective": plan.get("objective"), "has_group": "task_group" in plan,
+                         "b_task_group": plan.get("task_group")})
+        with self._conn_write() as c:
             if events:
-                append_in(s, [(run_id, t, p) for t, p in events])
-            for idx, plan in plans.items():
-                values = {k: plan[k] for k in ("objective", "task_group") if k in plan}
-                if values.get("objective") not in (None, *OBJECTIVES):
-                    raise InvalidRequestError(f"call {idx}: bad objective {values['objective']!r}")
-                if values:
-                    n += s.execute(
-                        update(Call)
-                        .where(Call.run_id == run_id, Call.idx == idx)
-                        .values(**values)
-                        .execution_options(synchronize_session=False)
-                    ).rowcount
-        return n
+                append_in(c, [(run_id, t, p) for t, p in events])
+            return sum(c.execute(_ANNOTATE, row).rowcount for row in rows)
 
     def set_run_status(
         self,
@@ -260,8 +289,9 @@ class RunsMixin(StoreBase):
 
     def close_run(self, tenant_id: int, run_id: str) -> None:
         """Mark an open run closed: no more calls will be added."""
-        with self._write() as s:
-            _owned_run(s, tenant_id, run_id).open = False
+        with self._conn_write() as c:
+            _owned_run(c, tenant_id, run_id)
+            c.execute(update(_RUNS).where(_RUNS.c.id == run_id).values(open=False))
 
     def get_run(self, tenant_id: int, run_id: str) -> RunDetail:
         """A tenant's run with variables, calls (the DAG), objectives, task groups, timings."""

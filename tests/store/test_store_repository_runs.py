@@ -145,6 +145,11 @@ def test_run_status_and_recovery_view(store: Store, tenant: int) -> None:
     (claimed,) = store.claim_calls("w", run_id=live)
     assert store.finish_call(claimed.call.id, "w", {"x1": "b"}).accepted
     assert store.annotate_calls(live, {1: {"objective": "latency", "task_group": "g"}}) == 1
+    assert store.annotate_calls(live, {1: {"task_group": "h"}, 0: {}}) == 1  # keeps objective
+    assert store.annotate_calls(live, {1: {"task_group": "g"}}) == 1
+    with pytest.raises(InvalidRequestError):
+        store.annotate_calls(live, {1: {"objective": "fast"}})
+    assert store.get_run(tenant, live).calls[1].task_group == "g"
     (resume,) = store.unfinished_runs()
     assert resume.run.id == live
     assert resume.ready == {"x0": "a", "x1": "b"}

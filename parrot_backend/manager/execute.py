@@ -16,10 +16,9 @@ next segments are filled straight into the generating context.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +65,7 @@ class CallRunner:
         self,
         engine: EngineClient,
         salt: str | None,
-        engine_kwargs: dict[str, Any],
+        engine_kwargs: Mapping[str, Any],
         tokenize: Callable[[str], list[int]],
     ) -> None:
         self.engine = engine
@@ -119,12 +118,14 @@ class CallRunner:
         target.created = True
         parts: list[str] = []
         finish = None
-        async with contextlib.aclosing(stream):
+        try:  # what contextlib.aclosing does, without its objects and awaits
             async for delta in stream:
                 if delta.text:
                     parts.append(delta.text)
                     await on_token(step, delta)
                 finish = delta.finish_reason
+        finally:
+            await stream.aclose()
         value = "".join(parts)
         await on_value(step, value)
         if fork and finish == "stop":
@@ -156,6 +157,8 @@ class CallRunner:
     async def free(self) -> None:
         """Free the contexts this call created, newest (children) first."""
         for ctx in reversed(self.owned):
-            with contextlib.suppress(ContextNotFound):
+            try:
                 await self.engine.free(ctx.id)
+            except ContextNotFound:
+                pass
         self.owned.clear()

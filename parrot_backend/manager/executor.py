@@ -49,6 +49,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from parrot_backend.engine.errors import EngineUnavailable
@@ -84,6 +85,8 @@ from .sharing import SharedPrefixes, shareable
 log = logging.getLogger(__name__)
 
 PRIORITY = {"latency": 0, "throughput": 1}  # engine priority: lower runs first
+_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
+_PRIORITY_KWARGS: dict[int, Mapping[str, Any]] = {}
 
 
 @dataclass(slots=True, frozen=True)
@@ -499,7 +502,10 @@ class Manager:
         self, run: Run, name: str, value: str, *, source: str, call: str | None
     ) -> None:
         payload = {"name": name, "value": value, "source": source, "call": call}
-        await self._emit(run, "variable_ready", payload)
+        if self.listeners:
+            await self._emit(run, "variable_ready", payload)
+        else:
+            run.log.append("variable_ready", payload)
         run.values[name] = value
         run.resolve(name)
         var = run.program.variables.get(name)
@@ -764,16 +770,11 @@ class Manager:
         keys: list[str] = []
         error: str | None = None
         try:
-            await self._emit(
-                run,
-                "call_started",
-                {
-                    "call": name,
-                    "engine": engine_id,
-                    "objective": objective,
-                    "group": group,
-                },
-            )
+            started = {"call": name, "engine": engine_id, "objective": objective, "group": group}
+            if self.listeners:
+                await self._emit(run, "call_started", started)
+            else:  # what `_emit` does without listeners, without a coroutine
+                run.log.append("call_started", started)
             # attach first: it pins the prefixes this call uses, so making room for the
             # rest of the call cannot evict them
             attached = await self.sharing.attach(
@@ -824,7 +825,10 @@ class Manager:
         await self._cleanup(runner, engine_id, keys)
         try:
             if error is None:
-                await self._emit(run, "call_finished", {"call": name})
+                if self.listeners:
+                    await self._emit(run, "call_finished", {"call": name})
+                else:
+                    run.log.append("call_finished", {"call": name})
                 run.calls[name].state = "finished"
                 await self._maybe_finish(run)
                 return
@@ -839,7 +843,8 @@ class Manager:
     async def _cleanup(self, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
         try:
             await runner.free()
-            await self.sharing.release(engine_id, keys)
+            if keys:
+                await self.sharing.release(engine_id, keys)
         except EngineUnavailable:  # a dead engine holds nothing any more
             log.info("engine %s unavailable during cleanup", engine_id)
 
@@ -870,8 +875,14 @@ class Manager:
             del self._pending_runs[run_id]
         self._pending_latency -= ready.objective == "latency"
 
-    def _engine_kwargs(self, engine_id: str, priority: int) -> dict[str, Any]:
-        return {"priority": priority} if self._priority_kw[engine_id] else {}
+    def _engine_kwargs(self, engine_id: str, priority: int) -> Mapping[str, Any]:
+        # read-only and shared: one per priority, not one dict per call
+        if not self._priority_kw[engine_id]:
+            return _NO_KWARGS
+        kw = _PRIORITY_KWARGS.get(priority)
+        if kw is None:
+            kw = _PRIORITY_KWARGS[priority] = MappingProxyType({"priority": priority})
+        return kw
 
     def _run(self, run_id: str) -> Run:
         try:

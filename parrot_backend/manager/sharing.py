@@ -74,7 +74,7 @@ class SharedPrefixes:
         self,
         engines: Mapping[str, EngineClient],
         clock: Callable[[], float],
-        engine_kwargs: Callable[[str, int], dict[str, Any]],
+        engine_kwargs: Callable[[str, int], Mapping[str, Any]],
     ) -> None:
         self.table = PrefixTable()
         self.engines = engines

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, bindparam, case, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from parrot_backend.store.base import StoreBase
@@ -38,21 +38,35 @@ def append_in(
 
     Each run's counter is bumped once per batch with UPDATE ... RETURNING: the row lock it
     takes makes concurrent appenders to one run wait for each other until commit, so seqs
-    are gap-free, strictly increasing, and become visible in order. The runs of a batch
-    are bumped in sorted order, so two batches touching the same runs cannot deadlock on
-    PostgreSQL.
+    are gap-free, strictly increasing, and become visible in order. On PostgreSQL the runs
+    of a batch are locked in sorted order, so two batches touching the same runs cannot
+    deadlock.
     """
     if not items:
         return []
     conn = db.connection() if isinstance(db, Session) else db
     now = now or utcnow()
     counts = Counter(run_id for run_id, _, _ in items)
-    next_seq: dict[str, int] = {}
-    for run_id in sorted(counts):
-        end = conn.execute(_BUMP_SEQ, {"rid": run_id, "n": counts[run_id]}).scalar()
-        if end is None:
-            raise NotFoundError(f"no run {run_id!r}")
-        next_seq[run_id] = end - counts[run_id]
+    if len(counts) == 1:  # the common case: one prebuilt statement
+        ((run_id, n),) = counts.items()
+        ends = {run_id: conn.execute(_BUMP_SEQ, {"rid": run_id, "n": n}).scalar()}
+    else:  # one UPDATE bumps every run of the batch
+        ids = sorted(counts)
+        if conn.dialect.name == "postgresql":
+            # lock in id order first: a lone UPDATE locks rows in scan order, which can
+            # deadlock against another batch
+            conn.execute(select(_RUNS.c.id).where(_RUNS.c.id.in_(ids))
+                         .order_by(_RUNS.c.id).with_for_update())
+        ends = dict(conn.execute(
+            update(_RUNS)
+            .where(_RUNS.c.id.in_(ids))
+            .values(event_seq=_RUNS.c.event_seq + case(dict(counts), value=_RUNS.c.id))
+            .returning(_RUNS.c.id, _RUNS.c.event_seq)
+        ).all())
+    missing = sorted(r for r in counts if ends.get(r) is None)
+    if missing:
+        raise NotFoundError(f"no run(s) {missing}")
+    next_seq = {run_id: ends[run_id] - counts[run_id] for run_id in counts}
     seqs: list[int] = []
     rows: list[dict[str, Any]] = []
     for run_id, type_, payload in items:

@@ -2,7 +2,7 @@
 scheduling-decision latency with many concurrent open runs.
 
     .venv/bin/python benchmarks/manager_bench.py [--runs 2000] [--open-runs 1000]
-        [--calls 5000] [--gc-threshold 50000] [--gc-freeze]
+        [--calls 5000] [--gc-threshold 50000] [--gc-freeze] [--server-gc]
 
 1. Throughput: create runs of a small map-reduce program (4 maps sharing a system prompt,
    1 reduce) and wait for all to finish. Every call is parsed, validated, deduced,
@@ -21,7 +21,12 @@ never tuned; full collections walk every live object, including this benchmark's
 and everything imported. `--gc-freeze` calls `gc.freeze()` before each timed phase (after
 the specs are built), as a server may do after start-up: what existed then is no longer
 walked, while everything the manager makes is collected as usual. `--gc-threshold` raises
-the gen-0 threshold. Neither is on by default: compare figures made the same way.
+the gen-0 threshold. `--server-gc` applies `parrot_backend.manager.gctune.configure_gc()`
+once at the start (before any phase builds its specs), as the server process does after
+start-up: a collection, `gc.freeze()` of what is alive (imports and the like), and the
+gen-0 threshold raised to `gctune.GEN0_THRESHOLD` (10,000); it excludes the other two.
+None is on by default: compare figures made the same way, and report both the default
+and the `--server-gc` figures.
 """
 
 from __future__ import annotations
@@ -197,7 +202,18 @@ def main() -> None:
         action="store_true",
         help="gc.freeze() before each timed phase (see the module doc); off by default",
     )
+    parser.add_argument(
+        "--server-gc",
+        action="store_true",
+        help="apply gctune.configure_gc() once at the start, as the server does (module doc)",
+    )
     args = parser.parse_args()
+    if args.server_gc and (args.gc_threshold or args.gc_freeze):
+        parser.error("--server-gc sets the threshold and freezes: use it alone")
+    if args.server_gc:
+        from parrot_backend.manager.gctune import configure_gc
+
+        configure_gc()
     if args.gc_threshold:
         # many small objects per call: the default threshold (700) collects constantly
         gc.set_threshold(args.gc_threshold, 20, 20)

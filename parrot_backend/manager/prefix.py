@@ -201,6 +201,7 @@ class PrefixTable:
     def __init__(self) -> None:
         self._entries: dict[str, PrefixEntry] = {}
         self._by_engine: dict[str, set[str]] = {}
+        self._idle: Counter[str] = Counter()  # engine id -> its entries with refcount 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -211,6 +212,11 @@ class PrefixTable:
     def get(self, key: str) -> PrefixEntry | None:
         """The entry for `key`, or None."""
         return self._entries.get(key)
+
+    def has_idle(self, engine_id: str) -> bool:
+        """Whether `engine_id` holds an entry with refcount 0: without one, `evict` on it
+        drops nothing (parents are dropped only after an idle child)."""
+        return self._idle[engine_id] > 0
 
     def held(self, engine_id: str) -> frozenset[str]:
         """Keys of the prefixes filled on `engine_id`."""
@@ -242,16 +248,21 @@ class PrefixTable:
             up = self._entries[parent]
             if up.engine_id != engine_id:
                 raise ValueError(f"parent prefix {parent} lives on engine {up.engine_id}")
+            if up.refcount == 0:
+                self._idle[engine_id] -= 1
             up.refcount += 1
             own = n_tokens - up.n_tokens
         entry = PrefixEntry(key, engine_id, context_id, n_tokens, own, parent, 0, now)
         self._entries[key] = entry
         self._by_engine.setdefault(engine_id, set()).add(key)
+        self._idle[engine_id] += 1
         return entry
 
     def acquire(self, key: str, now: float) -> PrefixEntry:
         """A call starts using the prefix: it cannot be evicted until released."""
         entry = self._entries[key]
+        if entry.refcount == 0:
+            self._idle[entry.engine_id] -= 1
         entry.refcount += 1
         entry.last_used = now
         return entry
@@ -263,6 +274,8 @@ class PrefixTable:
             raise ValueError(f"prefix {key} released more often than acquired")
         entry.refcount -= 1
         entry.last_used = now
+        if entry.refcount == 0:
+            self._idle[entry.engine_id] += 1
 
     def evictable_tokens(self, engine_id: str) -> int:
         """Tokens `evict` could free on `engine_id` now: idle entries, and parents pinned
@@ -299,15 +312,19 @@ class PrefixTable:
                 up = self._entries[entry.parent]
                 up.refcount -= 1
                 if up.refcount == 0:
+                    self._idle[engine_id] += 1
                     heapq.heappush(heap, (up.last_used, up.key))
         return dropped
 
     def drop_engine(self, engine_id: str) -> list[PrefixEntry]:
         """Forget every prefix of an engine that went away."""
         keys = self._by_engine.pop(engine_id, set())
+        self._idle.pop(engine_id, None)
         return [self._entries.pop(k) for k in sorted(keys)]
 
     def _remove(self, key: str) -> PrefixEntry:
         entry = self._entries.pop(key)
         self._by_engine[entry.engine_id].discard(key)
+        if entry.refcount == 0:
+            self._idle[entry.engine_id] -= 1
         return entry

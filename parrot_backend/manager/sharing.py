@@ -190,7 +190,14 @@ class SharedPrefixes:
                 await self._free(engine_id, self.table.evict(engine_id, 1))
 
     async def make_room(self, engine_id: str, n_tokens: int) -> None:
-        """Evict idle prefixes (LRU) on `engine_id` until it has `n_tokens` free, if it can."""
+        """Evict idle prefixes (LRU) on `engine_id` until it has `n_tokens` free, if it can.
+
+        The engine's stats are asked for only when something could be evicted: with no
+        idle prefix on the engine `evict` drops nothing whatever the engine says, so the
+        round trip is skipped (a remote engine that went away shows up at the call's next
+        request instead)."""
+        if not self.table.has_idle(engine_id):
+            return
         stats = await self.engines[engine_id].stats()
         short = n_tokens - stats.free_tokens
         if short > 0:

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.prefix import Prefix
 from parrot_backend.manager.render import TokenCache, plan_call
 from parrot_backend.manager.runs import RunCancelled, RunClosedError, RunNotFound, VariableFailed
 from parrot_backend.manager.scripted import ScriptedEngine
@@ -415,3 +416,26 @@ async def test_calls_added_after_an_input_failed_fail_without_running() -> None:
         with pytest.raises(VariableFailed, match="call 'b' not run: input 'y' failed"):
             await m.get(rid, "z")
         assert len(engine.generations) == 1 and late == "b"
+
+
+async def test_make_room_asks_the_engine_only_when_a_prefix_could_be_evicted() -> None:
+    from parrot_backend.manager.sharing import SharedPrefixes
+
+    class Counting(ScriptedEngine):
+        asked = 0
+
+        async def stats(self):
+            self.asked += 1
+            return await super().stats()
+
+    engine = Counting(capacity_tokens=16 * 4)
+    sharing = SharedPrefixes({"e0": engine}, lambda: 0.0, lambda e, p: {})
+    await sharing.make_room("e0", 1000)  # nothing filled: nothing to evict, no question
+    attached = await sharing.attach(
+        "e0", [Prefix("k", 1, 3)], engine.tokenize("abc"), "t:", 1
+    )
+    await sharing.make_room("e0", 1000)  # the only prefix is in use: still nothing
+    assert engine.asked == 0
+    await sharing.release("e0", attached.keys)
+    await sharing.make_room("e0", 1000)  # idle now, and the engine is short: evicted
+    assert engine.asked == 1 and len(sharing.table) == 0

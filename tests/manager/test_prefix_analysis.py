@@ -230,3 +230,39 @@ def test_drop_engine_forgets_its_prefixes() -> None:
     table = table_with(("a", 1, 0.0), ("b", 1, 0.0))
     assert {e.key for e in table.drop_engine("e0")} == {"a", "b"}
     assert len(table) == 0
+
+
+def test_has_idle_follows_the_refcounts() -> None:
+    """`has_idle` (kept by counting) says whether any entry of the engine has refcount 0,
+    through inserts with parents, acquires, releases, evictions and dropped engines."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        table = PrefixTable()
+        held: list[str] = []
+        n = 0
+        for _ in range(rng.randint(1, 40)):
+            op = rng.random()
+            engine = rng.choice(["e0", "e1"])
+            keys_on = [k for k in (table.held("e0") | table.held("e1")) if table.get(k)]
+            if op < 0.35:
+                parents = [k for k in keys_on if table.get(k).engine_id == engine]  # type: ignore[union-attr]
+                parent = rng.choice(parents) if parents and rng.random() < 0.5 else None
+                up = table.get(parent).n_tokens if parent else 0  # type: ignore[union-attr]
+                n += 1
+                table.insert(f"k{n}", engine, f"c{n}", up + rng.randint(1, 5), float(n), parent)
+            elif op < 0.6 and keys_on:
+                key = rng.choice(sorted(keys_on))
+                table.acquire(key, float(n))
+                held.append(key)
+            elif op < 0.85 and held:
+                table.release(held.pop(rng.randrange(len(held))), float(n))
+            elif op < 0.97:
+                table.evict(engine, rng.randint(1, 10))
+            else:
+                table.drop_engine(engine)
+                held = [k for k in held if table.get(k) is not None]
+            for e in ("e0", "e1"):
+                idle = any(table.get(k).refcount == 0 for k in table.held(e))  # type: ignore[union-attr]
+                assert table.has_idle(e) == idle

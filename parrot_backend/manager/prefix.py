@@ -26,9 +26,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from parrot_backend.program import Call, InputRef, OutputRef, Segment, Text
 
@@ -67,6 +69,7 @@ def prefix_boundaries(segments: Sequence[Segment]) -> list[int]:
 _CACHE_SIZE = 4096
 _CUTS: dict[int, tuple[tuple[Segment, ...], list[int]]] = {}
 _BASES: dict[tuple[str, str | bytes | None], hashlib.blake2b] = {}
+_LEADING: dict[tuple[int, int, str, str | bytes | None], tuple[Any, Any, Any, Any]] = {}
 
 
 def _boundaries(segments: Sequence[Segment]) -> list[int]:
@@ -153,23 +156,67 @@ def call_prefixes(
     cuts = _boundaries(segments)
     if not cuts:
         return []
-    pieces = segment_tokens(segments, values, tokenize, cuts[-1])
-    base = _BASES.get((model, salt))
-    if base is None:
-        if len(_BASES) >= _CACHE_SIZE:
-            _BASES.clear()
-        base = _BASES[(model, salt)] = _hasher(model, salt)
-    h = base.copy()
     out: list[Prefix] = []
     done = n_tokens = 0
+    lead = _leading(segments, tokenize, model, salt) if cuts[0] == 1 else None
+    if lead is not None:  # the leading text's hash state and prefix, cached
+        h = lead[0].copy()
+        if lead[1] is not None:
+            out.append(lead[1])
+            n_tokens = lead[1].n_tokens
+        done = 1
+    else:
+        h = _base(model, salt).copy()
+    skip = done  # pieces[i] is segment skip + i
+    pieces = segment_tokens(segments[skip : cuts[-1]], values, tokenize, cuts[-1] - skip)
     for cut in cuts:
-        for piece in pieces[done:cut]:
+        for piece in pieces[done - skip : cut - skip]:
             h.update(_pack(piece))
             n_tokens += len(piece)
         done = cut
         if n_tokens and (not out or out[-1].n_tokens != n_tokens):
             out.append(Prefix(h.copy().hexdigest(), cut, n_tokens))
     return out
+
+
+def _base(model: str, salt: str | bytes | None) -> hashlib.blake2b:
+    base = _BASES.get((model, salt))
+    if base is None:
+        if len(_BASES) >= _CACHE_SIZE:
+            _BASES.clear()
+        base = _BASES[(model, salt)] = _hasher(model, salt)
+    return base
+
+
+def _leading(
+    segments: Sequence[Segment],
+    tokenize: Tokenize,
+    model: str,
+    salt: str | bytes | None,
+) -> tuple[hashlib.blake2b, Prefix | None] | None:
+    """The hash state after the leading text segment and its prefix (None when the text
+    has no tokens), cached per segments tuple, tokenizer, model and salt: calls of one
+    workflow share their segments, so every run hashes its system prompt once. None
+    when the first segment is not text or the call's segments cannot be cached."""
+    first = segments[0]
+    if type(segments) is not tuple or not isinstance(first, Text):
+        return None
+    key = (id(segments), id(tokenize), model, salt)
+    hit = _LEADING.get(key)
+    if hit is not None and hit[0] is segments and hit[1]() is tokenize:
+        return hit[2], hit[3]
+    try:
+        ref = weakref.ref(tokenize)  # a tokenizer id must not be reused while cached
+    except TypeError:
+        return None
+    piece = tokenize(first.text)
+    h = _base(model, salt).copy()
+    h.update(_pack(piece))
+    prefix = Prefix(h.copy().hexdigest(), 1, len(piece)) if piece else None
+    if len(_LEADING) >= _CACHE_SIZE:
+        _LEADING.clear()
+    _LEADING[key] = (segments, ref, h, prefix)
+    return h, prefix
 
 
 @dataclass(slots=True)

@@ -126,14 +126,28 @@ def test_out_of_range_token_is_rejected() -> None:
 @given(
     st.lists(st.text(max_size=5), min_size=1, max_size=5),
     st.one_of(st.none(), st.text(max_size=4)),
+    st.sampled_from(["sys ", "", "x", "a longer system prompt "]),
 )
-def test_incremental_keys_equal_one_shot_keys(values: list[str], salt: str | None) -> None:
-    template = "sys " + " ".join(f"{{{{input:v{i}}}}}" for i in range(len(values))) + "{{output:o}}"
+def test_incremental_keys_equal_one_shot_keys(
+    values: list[str], salt: str | None, lead: str
+) -> None:
+    template = lead + " ".join(f"{{{{input:v{i}}}}}" for i in range(len(values))) + "{{output:o}}"
     segs = parse(template)
     vals = {f"v{i}": v for i, v in enumerate(values)}
     tokens = [t for piece in segment_tokens(segs, vals, tokenize, len(segs) - 1) for t in piece]
+    want = [
+        p.key for p in call_prefixes(MODEL, segs, vals, tokenize, salt)
+    ]
     for p in call_prefixes(MODEL, segs, vals, tokenize, salt):
         assert p.key == prefix_key(MODEL, tokens[: p.n_tokens], salt)
+    # a segments tuple (shared by a workflow's runs) takes the cached leading-text path;
+    # the second time from the cache: the same prefixes either way
+    shared = tuple(segs)
+    for _ in range(2):
+        assert [p.key for p in call_prefixes(MODEL, shared, vals, tokenize, salt)] == want
+    other = lambda text: [ord(c) + 1 for c in text]  # noqa: E731  another tokenizer, same tuple
+    got = call_prefixes(MODEL, shared, vals, other, salt)
+    assert got == call_prefixes(MODEL, list(shared), vals, other, salt)
 
 
 # --- PrefixTable ---------------------------------------------------------------------------

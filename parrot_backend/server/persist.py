@@ -21,6 +21,11 @@ transaction. Nothing waits on it: its outputs were committed (and acknowledged) 
 it, and recovery records the end of a call whose outputs are all set (`settle_calls`)
 instead of running it again. That takes one commit per call off the critical path of
 every step of a chain.
+
+Each event's store work is one transaction, together with what the run had buffered.
+When it fails, nothing of it was written: the buffered events and call ends go back
+into the buffers (in order) for the next write or flush, and the event itself fails to
+the manager. A failed flush is retried the same way.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class RunMeta:
     tokens: list[tuple[str, Any]] = field(default_factory=list)  # buffered events
     finishes: list[dict[str, Any]] = field(default_factory=list)  # buffered call ends
     pending: list[dict[str, Any]] = field(default_factory=list)  # ends taken by a write
+    committed: bool = False  # the current write's transaction committed
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # call -> tokens
     first_token: dict[str, datetime] = field(default_factory=dict)  # recorded at the end
 
@@ -191,61 +197,63 @@ class StorePersister:
             if not self.store.finish_call(**args).accepted:
                 log.warning("call %s finished without holding its claim", args["call_id"])
 
-    def _batched(self, finishes: list[dict[str, Any]], ops: list[Callable[[], Any]]) -> Any:
-        """Buffered call ends, then `ops`, in one transaction; the last op's result."""
+    def _batched(self, finishes: list[dict[str, Any]], work: Callable[[], T],
+                 single: bool) -> T:
+        """Buffered call ends, then `work`, in one transaction (`single`: `work` is one
+        store call, already one transaction: no batch is needed when nothing is buffered)."""
+        if single and not finishes:
+            return work()
         with self.store.batch():
             self._record_finishes(finishes)
-            result = None
-            for op in ops:
-                result = op()
-            return result
+            return work()
 
     async def _write(self, run_id: str, meta: RunMeta, type: str, payload: dict,
                      events: list[tuple[str, Any]]) -> None:
+        """Run the event's handler: its store work is one transaction (`_txn`), with the
+        run's buffered events and call ends. When that transaction fails, they are put
+        back in the buffers for the next write; the event itself fails to the manager."""
         finishes, meta.finishes = meta.finishes, []
-        if finishes:  # recorded in the transaction of this event's first write
-            meta.pending = finishes
+        meta.pending, meta.committed = finishes, False
+        handler = getattr(self, f"_on_{type}", self._on_other)
         try:
-            handler = getattr(self, f"_on_{type}", None)
-            if handler is None:  # any other event type: just log it
-                await self._commit(meta, self.store.append_events,
-                                   [(run_id, t, p) for t, p in events])
-                return
             await handler(run_id, meta, payload, events)
-        finally:
-            if meta.pending:  # not written (the write failed): keep them for the next one
-                meta.finishes[:0] = meta.pending
-                meta.pending = []
-
-    async def _commit(self, meta: RunMeta, fn: Callable[..., T], *args: Any,
-                      before: tuple[Callable[[], Any], ...] = (), **kw: Any) -> T:
-        """A store call on the writer thread, in one transaction with the run's buffered
-        call ends (and the `before` calls), when there are any."""
-        finishes, meta.pending = meta.pending, []
-        if not finishes and not before:
-            return await self._db(fn, *args, **kw)
-        try:
-            ops = [*before, functools.partial(fn, *args, **kw)]
-            return await self._db(self._batched, finishes, ops)
         except BaseException:
-            meta.pending = finishes
+            if not meta.committed:
+                meta.finishes[:0] = finishes
+                meta.tokens[:0] = events[:-1]
             raise
+        finally:
+            meta.pending = []
+
+    async def _txn(self, meta: RunMeta, work: Callable[[], T], *, single: bool = False) -> T:
+        """The event's store work (a closure run on the writer thread), in one transaction
+        with the run's buffered call ends. Once per handler."""
+        result = await self._db(self._batched, meta.pending, work, single)
+        meta.committed = True
+        return result
+
+    async def _on_other(self, run_id: str, meta: RunMeta, payload: dict,
+                        events: list) -> None:
+        """Any other event type: just log it."""
+        rows = [(run_id, t, p) for t, p in events]
+        await self._txn(meta, lambda: self.store.append_events(rows), single=True)
 
     async def _on_run_created(self, run_id: str, meta: RunMeta, payload: dict,
                               events: list) -> None:
         st = self.store
         if meta.resumed:
             # the rows exist; the manager re-announced the run while recovering it
-            await self._commit(meta, st.append_event, run_id, "run_resumed", {})
+            await self._txn(meta, lambda: st.append_event(run_id, "run_resumed", {}),
+                            single=True)
             return
         program = dict(payload["program"])
         meta.program = program
         calls = _descriptors(program["calls"], 0)
-        detail = await self._db(
+        detail = await self._txn(meta, functools.partial(
             st.create_run, meta.tenant_id, program, calls, payload["inputs"],
             payload["outputs"], open=payload["open"], workflow_id=meta.workflow_id,
             replay_of=meta.replay_of, run_id=run_id, events=events, owner=self.worker,
-            owner_lease_s=self.owner_lease_s)
+            owner_lease_s=self.owner_lease_s), single=True)
         meta.set_calls(detail.calls)
 
     async def _on_calls_added(self, run_id: str, meta: RunMeta, payload: dict,
@@ -254,8 +262,9 @@ class StorePersister:
         added = _plain(payload["calls"])
         calls = _descriptors(added, first)
         program = {**meta.program, "calls": [*meta.program["calls"], *added]}
-        await self._commit(meta, self.store.add_calls, meta.tenant_id, run_id, calls,
-                           program=program, events=events)
+        await self._txn(meta, functools.partial(
+            self.store.add_calls, meta.tenant_id, run_id, calls, program=program,
+            events=events), single=True)
         meta.program = program
         await self.refresh_call_ids(run_id, meta)
 
@@ -273,12 +282,18 @@ class StorePersister:
                         "task_group": None if o["group"] is None else str(o["group"])}
             for name, o in payload["calls"].items() if name in idx
         }
-        await self._commit(meta, self.store.annotate_calls, run_id, plans, events=events)
+        await self._txn(meta, functools.partial(
+            self.store.annotate_calls, run_id, plans, events=events), single=True)
 
     async def _on_run_closed(self, run_id: str, meta: RunMeta, payload: dict,
                              events: list) -> None:
-        await self._commit(meta, self.store.close_run, meta.tenant_id, run_id)
-        await self._db(self.store.append_events, [(run_id, t, p) for t, p in events])
+        st = self.store
+
+        def work() -> None:
+            st.close_run(meta.tenant_id, run_id)
+            st.append_events([(run_id, t, p) for t, p in events])
+
+        await self._txn(meta, work)
 
     async def _on_call_started(self, run_id: str, meta: RunMeta, payload: dict,
                                events: list) -> None:
@@ -286,12 +301,15 @@ class StorePersister:
         call = payload["call"]
         meta.counts[call] = 0
         meta.first_token.pop(call, None)
-        # the run's first call also marks it running, in the same transaction
-        before = () if meta.started else (functools.partial(st.set_run_status, run_id,
-                                                             "running"),)
-        held = await self._commit(meta, st.hold_call, meta.call_ids[call], self.worker,
-                                  engine=payload.get("engine"), lease_s=self.lease_s,
-                                  events=events, before=before)
+        first = not meta.started
+
+        def work() -> bool:
+            if first:  # the run's first call also marks it running
+                st.set_run_status(run_id, "running")
+            return st.hold_call(meta.call_ids[call], self.worker, engine=payload.get("engine"),
+                                lease_s=self.lease_s, events=events)
+
+        held = await self._txn(meta, work, single=not first)
         meta.started = True
         if not held:  # another process runs it: this manager must not, nor record anything
             self.drop(run_id)
@@ -299,35 +317,50 @@ class StorePersister:
 
     async def _on_variable_ready(self, run_id: str, meta: RunMeta, payload: dict,
                                  events: list) -> None:
-        changed = await self._commit(meta, self.store.set_variables, run_id,
-                                     {payload["name"]: payload["value"]}, events=events)
-        if not changed and len(events) > 1:  # value was already there: keep the tokens
-            await self._db(self.store.append_events, [(run_id, t, p) for t, p in events[:-1]])
+        st = self.store
+
+        def work() -> None:
+            changed = st.set_variables(run_id, {payload["name"]: payload["value"]},
+                                       events=events)
+            if not changed and len(events) > 1:  # value was already there: keep the rest
+                st.append_events([(run_id, t, p) for t, p in events[:-1]])
+
+        await self._txn(meta, work, single=len(events) == 1)
 
     async def _on_variable_failed(self, run_id: str, meta: RunMeta, payload: dict,
                                   events: list) -> None:
         st = self.store
-        failed = await self._commit(meta, st.fail_variable, run_id, payload["name"],
-                                    payload["error"])
-        kept = events if failed else events[:-1]
-        if kept:
-            await self._db(st.append_events, [(run_id, t, p) for t, p in kept])
+
+        def work() -> None:
+            failed = st.fail_variable(run_id, payload["name"], payload["error"])
+            kept = events if failed else events[:-1]
+            if kept:
+                st.append_events([(run_id, t, p) for t, p in kept])
+
+        await self._txn(meta, work)
 
     async def _on_call_failed(self, run_id: str, meta: RunMeta, payload: dict,
                               events: list) -> None:
         st = self.store
         call_id = meta.call_ids[payload["call"]]
-        # a call failed because an input failed never ran: claim it to record the failure
-        await self._commit(meta, st.hold_call, call_id, self.worker, start=False,
-                           lease_s=self.lease_s)
-        await self._db(st.fail_call, call_id, self.worker, payload["error"], events=events)
+
+        def work() -> None:
+            # a call failed because an input failed never ran: claim it to record the failure
+            st.hold_call(call_id, self.worker, start=False, lease_s=self.lease_s)
+            st.fail_call(call_id, self.worker, payload["error"], events=events)
+
+        await self._txn(meta, work)
 
     async def _on_run_finished(self, run_id: str, meta: RunMeta, payload: dict,
                                events: list) -> None:
-        changed = await self._commit(meta, self.store.set_run_status, run_id,
-                                     _RUN_STATUS[payload["status"]], events=events)
-        if not changed and len(events) > 1:
-            await self._db(self.store.append_events, [(run_id, t, p) for t, p in events[:-1]])
+        st = self.store
+
+        def work() -> None:
+            changed = st.set_run_status(run_id, _RUN_STATUS[payload["status"]], events=events)
+            if not changed and len(events) > 1:
+                st.append_events([(run_id, t, p) for t, p in events[:-1]])
+
+        await self._txn(meta, work, single=len(events) == 1)
 
     # ------------------------------------------------------------------ tokens
     async def flush_all(self) -> None:
@@ -343,17 +376,15 @@ class StorePersister:
                 await stack.enter_async_context(meta.lock)
             batch = [(r, t, p) for r, m in zip(dirty, metas, strict=True) for t, p in m.tokens]
             finishes = [f for m in metas for f in m.finishes]
-            taken = [m.finishes for m in metas]
+            taken = [(m.tokens, m.finishes) for m in metas]
             for meta in metas:
                 meta.tokens, meta.finishes = [], []
-            append = functools.partial(self.store.append_events, batch)
             try:
-                if finishes:
-                    await self._db(self._batched, finishes, [append])
-                elif batch:
-                    await self._db(append)
-            except BaseException:  # the events are lost; the call ends are kept
-                for meta, ends in zip(metas, taken, strict=True):
+                await self._db(self._batched, finishes,
+                               functools.partial(self.store.append_events, batch), True)
+            except BaseException:  # nothing was written: back into the buffers
+                for meta, (tokens, ends) in zip(metas, taken, strict=True):
+                    meta.tokens[:0] = tokens
                     meta.finishes[:0] = ends
                 raise
         for run_id in dirty:
@@ -366,8 +397,10 @@ class StorePersister:
             await asyncio.sleep(self.flush_interval_s)  # let a batch gather
             try:
                 await self.flush_all()
-            except Exception:  # a failed batch stays lost; the call's end then fails too
-                log.exception("writing token events failed")
+            except Exception:  # the batch went back into the buffers: try again later
+                log.exception("writing buffered events failed; retrying")
+                self._dirty.set()
+                await asyncio.sleep(max(self.flush_interval_s, 0.5))
 
     async def _renew_loop(self) -> None:
         # a claim must outlive the longest call: renew what this worker holds

@@ -61,6 +61,9 @@ def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
         r = httpx.get(f"{url_b}/v1/runs/{run_id}/variables/x6",
                       params={"timeout": 120}, timeout=130)
         assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 30  # the run ends just after its last value
+        while detail(url_b, run_id)["run"]["status"] != "done" and time.monotonic() < deadline:
+            time.sleep(0.05)
         final = detail(url_b, run_id)
         assert final["run"]["status"] == "done"
         assert _resumes(url_b, run_id) == 1  # adopted once, by B

@@ -1,0 +1,93 @@
+"""StorePersister: buffered events and call ends survive a failed write and land with the
+next one, in order."""
+
+from __future__ import annotations
+
+import pytest
+
+from parrot_backend.program import ProgramSpec
+from parrot_backend.server.notify import Notifier
+from parrot_backend.server.persist import RunMeta, StorePersister
+from parrot_backend.store import Store
+
+from .native_support import migrated_sqlite
+
+PROGRAM = ProgramSpec.model_validate({"calls": [
+    {"name": "a", "template": "A {{input:x}} {{output:y}}"},
+    {"name": "b", "template": "B {{input:y}} {{output:z}}"},
+]}).model_dump(mode="json")
+
+
+async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path) -> None:
+    store = Store(migrated_sqlite(tmp_path))
+    tenant = store.ensure_tenant("t").id
+    p = StorePersister(store, "w", Notifier(), flush_interval_s=3600)
+    p.start()
+    try:
+        p.expect("r1", RunMeta(tenant))
+        await p.on_event("r1", "run_created", {"program": PROGRAM, "inputs": {"x": "1"},
+                                               "outputs": {"z": "latency"}, "open": False})
+        await p.on_event("r1", "call_started", {"call": "a", "engine": "e0"})
+        await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "2"})
+        await p.on_event("r1", "variable_ready", {"name": "y", "value": "2", "call": "a"})
+        await p.on_event("r1", "call_finished", {"call": "a"})
+        assert store.get_run(tenant, "r1").calls[0].status == "running"  # buffered
+
+        real = store.hold_call
+
+        def broken(*args, **kw):
+            raise RuntimeError("database hiccup")
+
+        store.hold_call = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="hiccup"):
+            await p.on_event("r1", "call_started", {"call": "b", "engine": "e0"})
+        assert store.get_run(tenant, "r1").calls[0].status == "running"  # rolled back
+        assert len(p.runs["r1"].finishes) == 1  # kept for the next write
+        assert [t for t, _ in p.runs["r1"].tokens] == ["call_finished"]
+
+        store.hold_call = real  # type: ignore[method-assign]
+        await p.on_event("r1", "call_started", {"call": "b", "engine": "e0"})
+        a, b = store.get_run(tenant, "r1").calls
+        assert (a.status, a.completion_tokens, b.status) == ("done", 1, "running")
+        assert a.first_token_at is not None and a.finished_at <= b.started_at
+        assert p.runs["r1"].finishes == []
+        await p.on_event("r1", "variable_ready", {"name": "z", "value": "3", "call": "b"})
+        await p.on_event("r1", "call_finished", {"call": "b"})
+        await p.flush_all()  # no later event: the flusher writes it
+        assert store.get_run(tenant, "r1").calls[1].status == "done"
+        # nothing lost: the failed write's buffered end went with the retry, in order
+        types = [e.type for e in store.read_events(tenant, "r1")]
+        assert types == ["run_created", "call_started", "token", "variable_ready",
+                         "call_finished", "call_started", "variable_ready", "call_finished"]
+    finally:
+        await p.stop()
+        store.close()
+
+
+async def test_a_failed_flush_keeps_its_batch_for_the_next(tmp_path) -> None:
+    store = Store(migrated_sqlite(tmp_path))
+    tenant = store.ensure_tenant("t").id
+    p = StorePersister(store, "w", Notifier(), flush_interval_s=3600)
+    p.start()
+    try:
+        p.expect("r1", RunMeta(tenant))
+        await p.on_event("r1", "run_created", {"program": PROGRAM, "inputs": {"x": "1"},
+                                               "outputs": {}, "open": False})
+        await p.on_event("r1", "call_started", {"call": "a", "engine": "e0"})
+        await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "2"})
+        real = store.append_events
+
+        def broken(*args, **kw):
+            raise RuntimeError("disk full")
+
+        store.append_events = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="disk full"):
+            await p.flush_all()
+        await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "3"})
+        store.append_events = real  # type: ignore[method-assign]
+        await p.flush_all()
+        texts = [e.payload["text"] for e in store.read_events(tenant, "r1") if e.type == "token"]
+        assert texts == ["2", "3"]
+    finally:
+        await p.stop()
+        store.close()

@@ -8,8 +8,9 @@ and starts the assigned calls. With a backlog, a round offers the policy only as
 calls as the engines have batch slots (`Manager._window`: aged, then latency, then
 throughput calls, each run its fair share first); a task group's members all count
 against the slots and are offered together or not at all, and a group larger than the
-slots is offered whole when it comes first in that order. A running call forks from its shared prefix, fills and
-generates (`execute.py`); every generated value makes its consumers ready at once.
+slots is offered whole when it comes first in that order. A running call forks from its
+shared prefix, fills and generates (`execute.py`); every generated value makes its
+consumers ready at once.
 
 Objectives come from `objectives.deduce` over the run's declared outputs and the
 variables clients wait for with `get(perf=...)`; latency calls run at engine priority 0,

@@ -99,7 +99,9 @@ def test_window_picks_what_the_rule_says() -> None:
 
 
 def _ready(run: Run, name: str, at: float, group: int | None, objective="throughput") -> _Ready:
-    return _Ready(f"{run.run_id}/{name}", run, name, CallPlan([], [], 1), (), None, at, objective, group)
+    return _Ready(
+        f"{run.run_id}/{name}", run, name, CallPlan([], [], 1), (), None, at, objective, group
+    )
 
 
 def test_a_group_is_never_split_and_counts_against_the_slots() -> None:
@@ -114,7 +116,13 @@ def test_a_group_is_never_split_and_counts_against_the_slots() -> None:
     # fair share 7 // 4 = 1: r0's group (3), r1's group (3), then r2's group does not fit
     # the one slot left (passed over) and r2's single takes it
     assert [r.call_id for r in window] == [
-        "r0/m0", "r0/m1", "r0/m2", "r1/m0", "r1/m1", "r1/m2", "r2/s"
+        "r0/m0",
+        "r0/m1",
+        "r0/m2",
+        "r1/m0",
+        "r1/m1",
+        "r1/m2",
+        "r2/s",
     ]
 
 
@@ -190,8 +198,10 @@ def _check_windows(seen: list[tuple[int, list[_Ready], dict[str, _Ready]]]) -> N
             if (r.run.run_id, r.group) in groups:
                 assert r in got
         first = got[0] if got else None
-        whole_first = first is not None and first.group is not None and all(
-            r.run is first.run and r.group == first.group for r in got
+        whole_first = (
+            first is not None
+            and first.group is not None
+            and all(r.run is first.run and r.group == first.group for r in got)
         )
         assert len(got) <= slots or whole_first
 

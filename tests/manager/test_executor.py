@@ -431,9 +431,7 @@ async def test_make_room_asks_the_engine_only_when_a_prefix_could_be_evicted() -
     engine = Counting(capacity_tokens=16 * 4)
     sharing = SharedPrefixes({"e0": engine}, lambda: 0.0, lambda e, p: {})
     await sharing.make_room("e0", 1000)  # nothing filled: nothing to evict, no question
-    attached = await sharing.attach(
-        "e0", [Prefix("k", 1, 3)], engine.tokenize("abc"), "t:", 1
-    )
+    attached = await sharing.attach("e0", [Prefix("k", 1, 3)], engine.tokenize("abc"), "t:", 1)
     await sharing.make_room("e0", 1000)  # the only prefix is in use: still nothing
     assert engine.asked == 0
     await sharing.release("e0", attached.keys)

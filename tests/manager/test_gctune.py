@@ -32,4 +32,3 @@ def test_configure_gc_takes_a_threshold_and_rejects_nonsense() -> None:
         restore_gc(previous)
     with pytest.raises(ValueError):
         configure_gc(0)
-

@@ -135,9 +135,7 @@ def test_incremental_keys_equal_one_shot_keys(
     segs = parse(template)
     vals = {f"v{i}": v for i, v in enumerate(values)}
     tokens = [t for piece in segment_tokens(segs, vals, tokenize, len(segs) - 1) for t in piece]
-    want = [
-        p.key for p in call_prefixes(MODEL, segs, vals, tokenize, salt)
-    ]
+    want = [p.key for p in call_prefixes(MODEL, segs, vals, tokenize, salt)]
     for p in call_prefixes(MODEL, segs, vals, tokenize, salt):
         assert p.key == prefix_key(MODEL, tokens[: p.n_tokens], salt)
     # a segments tuple (shared by a workflow's runs) takes the cached leading-text path;

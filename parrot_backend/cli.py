@@ -100,6 +100,9 @@ def _serve(args: argparse.Namespace) -> int:
     from parrot_backend.store import SchemaOutdatedError, Store, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.gc_threshold is not None and args.gc_threshold < 0:
+        print(f"error: --gc-threshold must be >= 0, got {args.gc_threshold}", file=sys.stderr)
+        return 2
     keys = {k: f"tenant-{i}" for i, k in enumerate(args.api_key or [])}
     # the store's keys count whenever auth is on; it is on with keys, on demand, off loopback
     auth = bool(keys) or args.auth or not is_loopback(args.host)
@@ -135,6 +138,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         store.close()
         return 2
+    if args.gc_threshold != 0:  # start-up is over: tune the collector for serving
+        import gc
+
+        from parrot_backend.manager.gctune import GEN0_THRESHOLD, configure_gc
+
+        before = configure_gc(args.gc_threshold or GEN0_THRESHOLD)
+        logging.getLogger("parrot_backend.cli").info(
+            "gc: %d start-up objects frozen, generation-0 threshold %d (was %d)",
+            gc.get_freeze_count(), gc.get_threshold()[0], before.thresholds[0])
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=10))
     failed: list[BaseException] = []
@@ -205,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--operator-key", default=os.environ.get("PARROT_OPERATOR_KEY"),
                    help="accept remote engines that register with this key "
                         "(default: $PARROT_OPERATOR_KEY; none: no remote engines)")
+    s.add_argument("--gc-threshold", type=int, default=None, metavar="N",
+                   help="garbage collector: freeze start-up objects and collect young "
+                        "objects every N allocations (default 10000, see "
+                        "parrot_backend/manager/gctune.py); 0 leaves Python's defaults")
     s.set_defaults(func=_serve)
     from parrot_backend.server.engine_main import add_engine_parser
 

@@ -48,3 +48,10 @@ def test_data_dir_defaults(tmp_path, monkeypatch) -> None:
     args = parser.parse_args(["serve", "--database-url", "sqlite:////tmp/x.db"])
     assert _database_url(args) == "sqlite:////tmp/x.db"
     assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_a_negative_gc_threshold_is_refused(tmp_path) -> None:
+    r = _serve("--data-dir", str(tmp_path), "--gc-threshold", "-1", "--model",
+               str(tmp_path / "nope"))
+    assert r.returncode == 2 and "--gc-threshold must be >= 0" in r.stderr
+    assert not (tmp_path / "parrot.db").exists()  # refused before the store is opened

@@ -58,6 +58,8 @@ def test_remote_engines_share_prefixes_and_survive_an_engine_death(tiny_model_di
     serve = Serve(tiny_model_dir, tmp_path, None)
     serve.cmd += ["--operator-key", OPERATOR_KEY]
     url = serve.start()
+    # the server tuned its garbage collector once start-up was over
+    assert "generation-0 threshold 10000 (was " in serve.log.read_text()
     procs = [EngineProcess(tiny_model_dir, tmp_path, "--manager", url, "--manager-key",
                            OPERATOR_KEY, "--engine-id", eid) for eid in ("r1", "r2")]
     try:

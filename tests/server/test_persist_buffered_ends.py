@@ -3,6 +3,9 @@ next one, in order."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 
 from parrot_backend.program import ProgramSpec
@@ -18,7 +21,9 @@ PROGRAM = ProgramSpec.model_validate({"calls": [
 ]}).model_dump(mode="json")
 
 
-async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def started(tmp_path) -> AsyncIterator[tuple[Store, int, StorePersister]]:
+    """A persister (flushing only when told) with run r1 created and call a started."""
     store = Store(migrated_sqlite(tmp_path))
     tenant = store.ensure_tenant("t").id
     p = StorePersister(store, "w", Notifier(), flush_interval_s=3600)
@@ -29,15 +34,23 @@ async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path
                                                "outputs": {"z": "latency"}, "open": False})
         await p.on_event("r1", "call_started", {"call": "a", "engine": "e0"})
         await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "2"})
+        yield store, tenant, p
+    finally:
+        await p.stop()
+        store.close()
+
+
+def broken(*args, **kw):
+    raise RuntimeError("database hiccup")
+
+
+async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path) -> None:
+    async with started(tmp_path) as (store, tenant, p):
         await p.on_event("r1", "variable_ready", {"name": "y", "value": "2", "call": "a"})
         await p.on_event("r1", "call_finished", {"call": "a"})
         assert store.get_run(tenant, "r1").calls[0].status == "running"  # buffered
 
         real = store.hold_call
-
-        def broken(*args, **kw):
-            raise RuntimeError("database hiccup")
-
         store.hold_call = broken  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="hiccup"):
             await p.on_event("r1", "call_started", {"call": "b", "engine": "e0"})
@@ -59,35 +72,16 @@ async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path
         types = [e.type for e in store.read_events(tenant, "r1")]
         assert types == ["run_created", "call_started", "token", "variable_ready",
                          "call_finished", "call_started", "variable_ready", "call_finished"]
-    finally:
-        await p.stop()
-        store.close()
 
 
 async def test_a_failed_flush_keeps_its_batch_for_the_next(tmp_path) -> None:
-    store = Store(migrated_sqlite(tmp_path))
-    tenant = store.ensure_tenant("t").id
-    p = StorePersister(store, "w", Notifier(), flush_interval_s=3600)
-    p.start()
-    try:
-        p.expect("r1", RunMeta(tenant))
-        await p.on_event("r1", "run_created", {"program": PROGRAM, "inputs": {"x": "1"},
-                                               "outputs": {}, "open": False})
-        await p.on_event("r1", "call_started", {"call": "a", "engine": "e0"})
-        await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "2"})
+    async with started(tmp_path) as (store, tenant, p):
         real = store.append_events
-
-        def broken(*args, **kw):
-            raise RuntimeError("disk full")
-
         store.append_events = broken  # type: ignore[method-assign]
-        with pytest.raises(RuntimeError, match="disk full"):
+        with pytest.raises(RuntimeError, match="hiccup"):
             await p.flush_all()
         await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "3"})
         store.append_events = real  # type: ignore[method-assign]
         await p.flush_all()
         texts = [e.payload["text"] for e in store.read_events(tenant, "r1") if e.type == "token"]
         assert texts == ["2", "3"]
-    finally:
-        await p.stop()
-        store.close()

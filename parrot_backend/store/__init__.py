@@ -9,6 +9,9 @@ Protocol and guarantees
 finished, an event) is committed by one :class:`Store` method before the caller
 acknowledges it to a client or streams it. Token deltas may be buffered and written with
 :meth:`Store.append_events` in batches; nothing is streamed before its batch commits.
+(The server's persister also buffers a call's end, which nothing acknowledges: its
+outputs are committed first, and :meth:`Store.settle_calls` records an end lost in a
+crash.) :meth:`Store.batch` makes several methods one transaction.
 
 *At-least-once call execution.* A call is executed under a claim with a lease
 (:meth:`Store.claim_calls`). After a crash the claim expires (or is released) and the call

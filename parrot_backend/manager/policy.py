@@ -172,13 +172,29 @@ def schedule(
         open_engines = [s for eid, s in state.items() if eid not in reserved]
         if not unit.aged and all(s.batch_size >= config.max_batch for s in open_engines):
             break  # nothing fits any more, and no later unit is aged (they come first)
-        placed = _place_unit(unit, open_engines, config)
-        if placed is None and unit.aged:
-            placed = _place_each(unit.calls, open_engines, config, aged=True, partial=True)
-        if placed:
-            for call, engine in placed:
-                out.append(_commit(call, state[engine], single=_single(unit)))
-        if unit.aged and (placed is None or len(placed) < len(unit.calls)) and open_engines:
+        # placements are tried on copies of the engines' loads (a group is all or
+        # nothing); what a successful try made of them is this round's state from then on
+        placed: tuple[list[Assignment], list[_Load]] | None
+        if _single(unit):
+            # one call: trial copies would reach the same engine; place it on the state
+            call = unit.calls[0]
+            engine = _best(call, open_engines, config, unit.aged, batched=False)
+            if engine is not None:
+                out.append(_commit(call, engine, single=True))
+                continue
+            # an aged call that fits nowhere fits nowhere either when tried again as
+            # part of what fits (`_fits` of an aged call ignores `batched`)
+            placed = None
+        else:
+            placed = _place_unit(unit, open_engines, config)
+            if placed is None and unit.aged:
+                placed = _place_each(unit.calls, open_engines, config, aged=True, partial=True)
+        if placed is not None:
+            out.extend(placed[0])
+            for trial in placed[1]:
+                _adopt(state[trial.engine_id], trial)
+        n_placed = 0 if placed is None else len(placed[0])
+        if unit.aged and n_placed < len(unit.calls) and open_engines:
             # the aged work did not fit: hold the roomiest engine for it until it drains
             reserved.add(max(open_engines, key=lambda s: (s.free_kv_tokens, s.engine_id)).engine_id)
     return out
@@ -262,8 +278,9 @@ def _best(
 
 def _place_unit(
     unit: _Unit, engines: list[_Load], config: PolicyConfig
-) -> list[tuple[PendingCall, str]] | None:
-    """All calls of `unit` placed (call, engine id), or None when they do not all fit."""
+) -> tuple[list[Assignment], list[_Load]] | None:
+    """All calls of `unit` placed on trial copies (`_place_each`), or None when they do
+    not all fit."""
     batched = not _single(unit)
     if batched and _shared_prefix(unit.calls) is not None:
         for engine in sorted(engines, key=lambda e: _rank(unit.calls[0], e, True)):
@@ -280,19 +297,34 @@ def _place_each(
     aged: bool,
     partial: bool,
     batched: bool = True,
-) -> list[tuple[PendingCall, str]] | None:
-    """Place calls one by one on copies of `engines`; None if one fails and not `partial`."""
-    trial = {e.engine_id: e.trial() for e in engines}
-    placed: list[tuple[PendingCall, str]] = []
+) -> tuple[list[Assignment], list[_Load]] | None:
+    """Place calls one by one on copies of `engines`; None if one fails and not `partial`.
+
+    Returns the assignments and the copies as the placements left them: `_adopt` them
+    to keep the placements (the calls count as `single` when not `batched`)."""
+    trials = [e.trial() for e in engines]
+    placed: list[Assignment] = []
     for call in calls:
-        engine = _best(call, trial.values(), config, aged, batched)
+        engine = _best(call, trials, config, aged, batched)
         if engine is None:
             if partial:
                 continue
             return None
-        _commit(call, engine, single=not batched)
-        placed.append((call, engine.engine_id))
-    return placed
+        placed.append(_commit(call, engine, single=not batched))
+    return placed, trials
+
+
+def _adopt(engine: _Load, trial: _Load) -> None:
+    """Make `engine` what its trial copy became: as if the trial's calls were committed
+    to it in the same order (the copy started equal to it and nothing else changed it)."""
+    engine.running_latency = trial.running_latency
+    engine.batch_size = trial.batch_size
+    engine.running_tokens = trial.running_tokens
+    engine.free_kv_tokens = trial.free_kv_tokens
+    if trial.extra:
+        added = engine.prefixes if engine.extra is None else engine.extra
+        assert isinstance(added, set)
+        added.update(trial.extra)
 
 
 def _shared_prefix(calls: Sequence[PendingCall]) -> str | None:

@@ -192,3 +192,86 @@ def test_snapshots_are_not_mutated_and_decisions_are_deterministic() -> None:
     first = schedule(calls, engines, NOW, CONFIG)
     assert [(e.batch_size, e.free_kv_tokens, e.prefixes) for e in engines] == before
     assert schedule(list(reversed(calls)), engines, NOW, CONFIG) == first
+
+
+def _reference_schedule(pending, engines, now, config):  # type: ignore[no-untyped-def]
+    """`schedule` as it was before placements were kept from their trial copies: every
+    unit placed on trial copies of the loads, then committed again to the round's state."""
+    from parrot_backend.manager import policy as p
+
+    def place_each(calls, loads, aged, partial, batched=True):  # type: ignore[no-untyped-def]
+        trial = {e.engine_id: e.trial() for e in loads}
+        placed = []
+        for c in calls:
+            e = p._best(c, trial.values(), config, aged, batched)
+            if e is None:
+                if partial:
+                    continue
+                return None
+            p._commit(c, e, single=not batched)
+            placed.append((c, e.engine_id))
+        return placed
+
+    def place_unit(unit, loads):  # type: ignore[no-untyped-def]
+        batched = not p._single(unit)
+        if batched and p._shared_prefix(unit.calls) is not None:
+            for e in sorted(loads, key=lambda e: p._rank(unit.calls[0], e, True)):
+                together = place_each(unit.calls, [e], unit.aged, partial=False)
+                if together is not None:
+                    return together
+        return place_each(unit.calls, loads, unit.aged, partial=False, batched=batched)
+
+    state = {e.engine_id: p._Load.of(e) for e in engines}
+    reserved: set[str] = set()
+    out = []
+    for unit in p._units(pending, now, config):
+        open_engines = [s for eid, s in state.items() if eid not in reserved]
+        if not unit.aged and all(s.batch_size >= config.max_batch for s in open_engines):
+            break
+        placed = place_unit(unit, open_engines)
+        if placed is None and unit.aged:
+            placed = place_each(unit.calls, open_engines, aged=True, partial=True)
+        if placed:
+            for c, eid in placed:
+                out.append(p._commit(c, state[eid], single=p._single(unit)))
+        if unit.aged and (placed is None or len(placed) < len(unit.calls)) and open_engines:
+            reserved.add(max(open_engines, key=lambda s: (s.free_kv_tokens, s.engine_id)).engine_id)
+    return out
+
+
+def test_placements_kept_from_trial_copies_decide_as_before() -> None:
+    import random
+
+    rng = random.Random(11)
+    pool = [Prefix(f"k{i}", i + 1, 10 * (i + 1)) for i in range(6)]
+    for _ in range(3000):
+        config = PolicyConfig(
+            latency_capacity=rng.randint(1, 4), max_batch=rng.randint(2, 8), aging_s=10.0
+        )
+        engines = [
+            EngineSnapshot(
+                f"e{j}",
+                running_latency=rng.randint(0, 2),
+                batch_size=rng.randint(0, 6),
+                running_tokens=rng.randint(0, 500),
+                free_kv_tokens=rng.randint(0, 600),
+                prefixes=frozenset(p.key for p in pool if rng.random() < 0.3),
+            )
+            for j in range(rng.randint(1, 3))
+        ]
+        calls = []
+        for i in range(rng.randint(0, 12)):
+            k = rng.randint(0, 3)
+            start = rng.randint(0, 3)
+            calls.append(
+                PendingCall(
+                    f"c{i}",
+                    rng.choice(["latency", "throughput"]),
+                    rng.randint(1, 300),
+                    NOW - rng.choice([0.0, 1.0, 5.0, 11.0, 30.0]),
+                    tuple(pool[start : start + k]),
+                    rng.choice([None, None, None, "g1", "g2"]),
+                )
+            )
+        want = _reference_schedule(calls, engines, NOW, config)
+        assert schedule(calls, engines, NOW, config) == want

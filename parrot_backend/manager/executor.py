@@ -70,7 +70,7 @@ from .ingest import CallBuilder
 from .objectives import deduce
 from .policy import EngineSnapshot, PendingCall, PolicyConfig, schedule
 from .prefix import Prefix, call_prefixes
-from .render import CallPlan, Step, TokenCache, plan_call
+from .render import CallPlan, Step, TokenCache, plan_and_pieces
 from .runs import (
     CallStatus,
     Run,
@@ -558,9 +558,10 @@ class Manager:
             if status is None or status.state != "waiting" or not run.inputs_ready(name):
                 continue
             call = run.program.calls[name]
-            plan = plan_call(call, run.values, self.tokens)
+            # each segment is tokenized once, for the plan and the prefix keys
+            plan, pieces = plan_and_pieces(call, run.values, self.tokens)
             prefixes = tuple(
-                call_prefixes(self.model, call.segments, run.values, self.tokens, run.salt)
+                call_prefixes(self.model, call.segments, run.values, self.tokens, run.salt, pieces)
             )
             static = None
             if prefixes and prefixes[0].n_segments == 1 and isinstance(call.segments[0], Text):

@@ -147,11 +147,14 @@ def call_prefixes(
     values: Mapping[str, str],
     tokenize: Tokenize,
     salt: str | bytes | None,
+    pieces: Sequence[list[int]] | None = None,
 ) -> list[Prefix]:
     """The call's prefixes at every boundary, shortest first; empty prefixes are skipped.
 
     `values` must hold every input before the first output. Each key equals
     `prefix_key(model, tokens[:n_tokens], salt)`; the hash runs once over the tokens.
+    `pieces`, when given, are the tokens of each segment before the first output, as
+    `tokenize` gives them (`render.plan_and_pieces`): they are not tokenized again.
     """
     cuts = _boundaries(segments)
     if not cuts:
@@ -168,7 +171,10 @@ def call_prefixes(
     else:
         h = _base(model, salt).copy()
     skip = done  # pieces[i] is segment skip + i
-    pieces = segment_tokens(segments[skip : cuts[-1]], values, tokenize, cuts[-1] - skip)
+    if pieces is None:
+        pieces = segment_tokens(segments[skip : cuts[-1]], values, tokenize, cuts[-1] - skip)
+    else:
+        pieces = pieces[skip : cuts[-1]]
     for cut in cuts:
         for piece in pieces[done - skip : cut - skip]:
             h.update(_pack(piece))

@@ -68,18 +68,35 @@ class CallPlan:
 
 def plan_call(call: Call, values: Mapping[str, str], tokens: TokenCache) -> CallPlan:
     """The plan of `call` given the values of its inputs (all must be present)."""
+    return plan_and_pieces(call, values, tokens)[0]
+
+
+def plan_and_pieces(
+    call: Call, values: Mapping[str, str], tokens: Tokenize
+) -> tuple[CallPlan, list[list[int]]]:
+    """`plan_call`, and the tokens of each segment before the first output (what
+    `prefix.segment_tokens` gives for them): `prefix.call_prefixes(..., pieces=)` takes
+    them, so each segment of a call is tokenized once. Do not mutate the pieces."""
     prompt: list[int] = []
     steps: list[Step] = []
+    pieces: list[list[int]] = []
     current = prompt
     for seg in call.segments:
         if isinstance(seg, Text):
-            current.extend(tokens(seg.text))
+            piece = tokens(seg.text)
         elif isinstance(seg, InputRef):
-            current.extend(tokens(values[seg.name]))
+            piece = tokens(values[seg.name])
         elif isinstance(seg, OutputRef):
-            steps.append(Step(seg.name, call.configs[seg.name], []))
-            current = steps[-1].then
+            step = Step(seg.name, call.configs[seg.name], [])
+            steps.append(step)
+            current = step.then
+            continue
+        else:
+            continue
+        if not steps:
+            pieces.append(piece)
+        current.extend(piece)
     if steps:
         steps[-1].then = []  # nothing is generated after the last output
     n = len(prompt) + sum(len(s.then) + s.config.max_tokens for s in steps)
-    return CallPlan(prompt, steps, n)
+    return CallPlan(prompt, steps, n), pieces

@@ -278,3 +278,67 @@ def test_has_idle_follows_the_refcounts() -> None:
             for e in ("e0", "e1"):
                 idle = any(table.get(k).refcount == 0 for k in table.held(e))  # type: ignore[union-attr]
                 assert table.has_idle(e) == idle
+
+
+# --- one tokenization per segment: plan and prefix keys share the pieces ------------------
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.sampled_from(["sys ", "x", " and ", "a longer system prompt ", "  "]),
+            st.integers(0, 3).map(lambda i: f"{{{{input:v{i}}}}}"),
+            st.integers(0, 3).map(lambda i: f"{{{{output:o{i}}}}}"),
+        ),
+        max_size=10,
+    ),
+    st.lists(st.text(max_size=4), min_size=4, max_size=4),
+    st.one_of(st.none(), st.text(max_size=4)),
+    st.booleans(),
+)
+def test_plan_and_pieces_give_the_plan_and_keys_of_separate_tokenization(
+    parts: list[str], values: list[str], salt: str | None, shared: bool
+) -> None:
+    from parrot_backend.manager.render import TokenCache, plan_and_pieces
+    from parrot_backend.program import InputRef, OutputRef, Text
+
+    seen: set[str] = set()
+    kept = []  # a variable appears once, as an input or an output
+    for part in parts:
+        name = part[part.find(":") + 1 : -2] if part.startswith("{{") else None
+        if name is not None and name[1:] in seen:
+            continue
+        if name is not None:
+            seen.add(name[1:])
+        kept.append(part)
+    try:
+        call = Call.from_template("c", "".join(kept))
+    except ValueError:
+        return  # not a valid template: nothing to plan
+    vals = {f"v{i}": v for i, v in enumerate(values)}
+    segments = call.segments if shared else list(call.segments)
+    cache = TokenCache(tokenize)
+    plan, pieces = plan_and_pieces(call, vals, cache)
+    # the reference: the plan as plan_call made it before, segment by segment
+    prompt: list[int] = []
+    steps: list[tuple[str, list[int]]] = []
+    current = prompt
+    for seg in call.segments:
+        if isinstance(seg, Text):
+            current.extend(tokenize(seg.text))
+        elif isinstance(seg, InputRef):
+            current.extend(tokenize(vals[seg.name]))
+        elif isinstance(seg, OutputRef):
+            steps.append((seg.name, []))
+            current = steps[-1][1]
+    if steps:
+        steps[-1] = (steps[-1][0], [])
+    assert plan.prompt == prompt
+    assert [(s.output, s.then) for s in plan.steps] == steps
+    want_n = len(prompt) + sum(len(t) + call.configs[o].max_tokens for o, t in steps)
+    assert plan.n_tokens == want_n
+    first = next((i for i, s in enumerate(segments) if isinstance(s, OutputRef)), len(segments))
+    assert pieces == segment_tokens(segments, vals, tokenize, first)
+    want = call_prefixes(MODEL, segments, vals, tokenize, salt)
+    assert call_prefixes(MODEL, segments, vals, cache, salt, pieces) == want
+    assert call_prefixes(MODEL, segments, vals, cache, salt, pieces) == want  # cached lead

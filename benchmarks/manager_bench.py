@@ -117,7 +117,7 @@ def decision_path(n_runs: int) -> None:
     """The same work without the event loop and the engine: build + check the program,
     deduce objectives, render and key each call, and schedule it (in rounds of 256)."""
     from parrot_backend.manager.ingest import CallBuilder
-    from parrot_backend.manager.objectives import deduce
+    from parrot_backend.manager.objectives import deduce_shared
     from parrot_backend.manager.policy import EngineSnapshot, PendingCall, schedule
     from parrot_backend.manager.prefix import call_prefixes
     from parrot_backend.manager.render import TokenCache, plan_and_pieces
@@ -130,7 +130,7 @@ def decision_path(n_runs: int) -> None:
     pending: list[PendingCall] = []
     for i, spec in enumerate(specs):
         program = builder.program(spec)
-        deduction = deduce(program, spec.outputs)
+        deduction = deduce_shared(program, spec.outputs)  # as the manager does
         values = dict(spec.inputs)
         for name, call in program.calls.items():
             if not all(v in values for v in call.inputs):

@@ -67,7 +67,7 @@ from parrot_backend.program import (
 from .events import Event, EventLog, RunListener
 from .execute import CallRunner
 from .ingest import CallBuilder
-from .objectives import deduce
+from .objectives import deduce_shared
 from .policy import EngineSnapshot, PendingCall, PolicyConfig, schedule
 from .prefix import Prefix, call_prefixes
 from .render import CallPlan, Step, TokenCache, plan_and_pieces
@@ -484,7 +484,7 @@ class Manager:
             return run.log.append(type, payload)
 
     async def _deduce(self, run: Run) -> None:
-        deduction = deduce(run.program, run.criteria())
+        deduction = deduce_shared(run.program, run.criteria())
         old = run.deduction
         changed = old is None or old.calls != deduction.calls
         if changed:

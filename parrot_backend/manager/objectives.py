@@ -26,10 +26,12 @@ when calls are added or a client starts waiting.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from parrot_backend.program import Criterion, Program, UnknownVariableError
+from parrot_backend.program import Call, Criterion, Program, UnknownVariableError
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +102,29 @@ def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
         for member in group.members:
             calls[member] = _grouped(calls[member].objective, group.id)
     return Deduction(calls, groups)
+
+
+# Runs of one workflow share their `Call`s (the manager's CallBuilder), so the same calls
+# with the same waits deduce the same objectives: the deduction is computed once per
+# (calls, waits) and shared. Keyed by the calls' identities; the entry holds the calls, so
+# an id cannot be reused while cached. Deductions handed out are shared: never mutate one.
+_DEDUCED: dict[tuple[Any, ...], tuple[tuple[Call, ...], Deduction]] = {}
+_DEDUCED_SIZE = 4096
+
+
+def deduce_shared(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
+    """`deduce(program, waits)`, shared with earlier programs made of the same `Call`
+    objects, in the same order, under the same waits (do not mutate the result)."""
+    calls = tuple(program.calls.values())
+    key = (tuple(map(id, calls)), tuple(waits.items()))
+    hit = _DEDUCED.get(key)
+    if hit is not None and len(hit[0]) == len(calls) and all(map(operator.is_, hit[0], calls)):
+        return hit[1]
+    deduction = deduce(program, waits)
+    if len(_DEDUCED) >= _DEDUCED_SIZE:
+        _DEDUCED.clear()
+    _DEDUCED[key] = (calls, deduction)
+    return deduction
 
 
 def _latency_calls(

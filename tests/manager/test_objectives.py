@@ -192,3 +192,34 @@ def test_deduction_matches_a_networkx_reference_on_random_dags() -> None:
             assert frozenset(group.members if group else ()) == members, (name, templates)
         ids = [g.id for g in got.groups]
         assert ids == list(range(len(ids)))
+
+
+def test_shared_deduction_equals_a_fresh_one_for_programs_of_shared_calls() -> None:
+    """Runs of a workflow share their Call objects: `deduce_shared` hands the same
+    deduction to programs of the same calls and waits, and a fresh one otherwise."""
+    import random
+
+    from parrot_backend.manager.objectives import deduce_shared
+
+    rng = random.Random(3)
+    pool: list[Call] = []
+    for i in range(8):
+        reads = [f"v{j}" for j in range(i) if rng.random() < 0.4] or [f"in{i}"]
+        text = " ".join(f"{{{{input:{r}}}}}" for r in reads)
+        pool.append(Call.from_template(f"c{i}", f"{text} {{{{output:v{i}}}}}"))
+    for _ in range(300):
+        n = rng.randint(1, len(pool))
+        p = Program(pool[:n])  # a prefix of the pool: every input is produced or given
+        waits = {
+            f"v{i}": rng.choice(["latency", "throughput"]) for i in range(n) if rng.random() < 0.3
+        }
+        got = deduce_shared(p, waits)
+        want = deduce(p, waits)
+        assert got.calls == want.calls
+        assert got.groups == want.groups
+        assert deduce_shared(Program(pool[:n]), dict(waits)) is got  # shared
+    # same names and templates, other Call objects: not the cached deduction's calls
+    again = Program([Call.from_template(c.name, c.template) for c in pool[:3]])
+    assert deduce_shared(again, {}).calls == deduce(again, {}).calls
+    with pytest.raises(UnknownVariableError, match="'nope'"):
+        deduce_shared(chain(), {"nope": "latency"})

@@ -203,7 +203,7 @@ class StorePersister:
         store call, already one transaction: no batch is needed when nothing is buffered)."""
         if single and not finishes:
             return work()
-        with self.store.batch():
+        with self.store.batch(savepoints=False):
             self._record_finishes(finishes)
             return work()
 

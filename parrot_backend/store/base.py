@@ -60,27 +60,41 @@ class StoreBase:
     def _conn_write(self) -> Iterator[Connection]:
         """A write transaction on a plain connection (Core statements only: the hot paths,
         where the ORM session's bookkeeping would cost more than the SQL). Inside a
-        `batch` it is a savepoint of the batch's transaction."""
-        conn = getattr(self._batch, "conn", None)
+        `batch` it is a savepoint of the batch's transaction (or, in a batch without
+        savepoints, part of it)."""
+        batch = self._batch
+        conn = getattr(batch, "conn", None)
         if conn is not None:
-            with conn.begin_nested():
+            if batch.savepoints:
+                with conn.begin_nested():
+                    yield conn
+                return
+            try:
                 yield conn
+            except BaseException:
+                batch.failed = True  # what it wrote cannot be undone alone: all or nothing
+                raise
             return
         with self._write_engine.begin() as conn:
             yield conn
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, *, savepoints: bool = True) -> Iterator[None]:
         """Run several store methods as one transaction: on this thread, every write
-        method called inside joins it (each as a savepoint, so one that raises undoes only
-        itself when the caller catches it); all are committed together at the end, or
-        none when the block raises. Not reentrant."""
+        method called inside joins it; all are committed together at the end, or none when
+        the block raises. With `savepoints` each method is a savepoint, so one that raises
+        undoes only itself when the caller catches it. Without (cheaper: a savepoint costs
+        about as much as a small statement), a method that raises fails the whole batch:
+        nothing is committed even if the caller catches the error (the batch then raises
+        `RuntimeError` at its end). Not reentrant."""
         if getattr(self._batch, "conn", None) is not None:
             raise RuntimeError("store batches do not nest")
         with self._write_engine.begin() as conn:
-            self._batch.conn = conn
+            self._batch.conn, self._batch.savepoints, self._batch.failed = conn, savepoints, False
             try:
                 yield
+                if self._batch.failed:
+                    raise RuntimeError("a store call in this batch failed: nothing was written")
             finally:
                 self._batch.conn = None
 

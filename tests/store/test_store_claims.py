@@ -286,3 +286,20 @@ def test_settle_calls_records_lost_ends_of_calls_whose_outputs_are_set(store: St
     assert [e.payload for e in store.read_events(tenant, run)] == [
         {"call": "f0", "recovered": True}]
     assert store.settle_calls(run, "w1") == []  # nothing left to settle
+
+
+def test_batch_without_savepoints_is_all_or_nothing(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, {}, fan_calls(2), {"q": "?"}).run.id
+    ids = [c.id for c in store.get_run(tenant, run).calls]
+    with store.batch(savepoints=False):
+        assert store.hold_call(ids[0], "w", events=[("started", {})])
+        assert store.set_variables(run, {"a0": "x"}, events=[("ready", {})]) == ["a0"]
+    assert [e.type for e in store.read_events(tenant, run)] == ["started", "ready"]
+    with pytest.raises(RuntimeError, match="nothing was written"), \
+            store.batch(savepoints=False):
+        assert store.hold_call(ids[1], "w", events=[("started", {})])
+        with pytest.raises(NotFoundError):  # caught, but the batch is spoiled
+            store.set_variables(run, {"nope": "v"})
+    detail = store.get_run(tenant, run)
+    assert detail.calls[1].status == "pending"
+    assert [e.type for e in store.read_events(tenant, run)] == ["started", "ready"]

@@ -186,14 +186,15 @@ async def get_variable(
     throughput: part of a batch). A failed variable answers with `status: failed`."""
     await owned(rt, tenant, run_id)
     if rt.live(tenant, run_id):
+        # once the manager has the value (or the failure) the store has it too (committed
+        # first): the answer below comes from the store, with its producer and time
         try:
-            value = await wait_value(rt, run_id, name, perf, timeout)
-            return VariableView(name=name, status="ready", value=value)
+            await wait_value(rt, run_id, name, perf, timeout)
         except TimeoutError:
             raise APIError(408, f"variable {name!r} not ready after {timeout:g} s; "
                                 "ask again", code="timeout") from None
-        except VariableFailed as exc:
-            return VariableView(name=name, status="failed", error=exc.reason)
+        except VariableFailed:
+            pass
         except RunCancelled:
             raise APIError(409, f"run {run_id} was cancelled", code="run_cancelled") from None
         except UnknownVariableError as exc:

@@ -36,6 +36,7 @@ async def test_run_chain_values_and_detail(tmp_path) -> None:
         z = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10})
         assert z.status_code == 200, z.text
         assert (z.json()["status"], z.json()["value"]) == ("ready", "<<go>>")
+        assert z.json()["producer_call"] == 1 and z.json()["set_at"] is not None
         await finished(c, rid)
         detail = (await c.get(f"/v1/runs/{rid}")).json()
         assert detail["variables"]["y"]["value"] == "<go>"

@@ -192,12 +192,7 @@ class Manager:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.sharing.close()  # engines may outlive this manager: leave nothing behind
         for run in self.runs.values():
-            for fut in run.futures.values():
-                if not fut.done():
-                    fut.set_exception(RunCancelled(f"run {run.run_id}: the manager stopped"))
-                    fut.exception()
-            run.futures.clear()
-            run.log.close()
+            run.end_waits(f"run {run.run_id}: the manager stopped")
 
     async def __aenter__(self) -> Manager:
         await self.start()
@@ -431,12 +426,7 @@ class Manager:
         try:
             await self._emit(run, "run_finished", {"status": "cancelled"})
         finally:
-            for fut in run.futures.values():
-                if not fut.done():
-                    fut.set_exception(RunCancelled(f"run {run_id} was cancelled"))
-                    fut.exception()  # a waiter may have timed out: no "never retrieved"
-            run.futures.clear()
-            run.log.close()
+            run.end_waits(f"run {run_id} was cancelled")
 
     def run_status(self, run_id: str) -> RunStatus:
         """A snapshot of the run: state, calls, values, failures, pending variables."""
@@ -460,12 +450,7 @@ class Manager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for fut in run.futures.values():
-            if not fut.done():
-                fut.set_exception(RunCancelled(f"run {run_id} is run by another manager"))
-                fut.exception()
-        run.futures.clear()
-        run.log.close()
+        run.end_waits(f"run {run_id} is run by another manager")
 
     async def forget(self, run_id: str) -> None:
         """Drop a run from memory (cancelling it first if it still runs)."""

@@ -138,6 +138,15 @@ class Run:
         else:
             fut.set_exception(VariableFailed(self.run_id, name, self.failed[name]))
 
+    def end_waits(self, reason: str) -> None:
+        """Fail every `get()` still waiting with RunCancelled(reason) and close the log."""
+        for fut in self.futures.values():
+            if not fut.done():
+                fut.set_exception(RunCancelled(reason))
+                fut.exception()  # a waiter may have timed out: no "never retrieved"
+        self.futures.clear()
+        self.log.close()
+
     def all_calls_done(self) -> bool:
         """Whether no call can still change a variable."""
         return all(c.state in TERMINAL_CALL_STATES for c in self.calls.values())

@@ -46,12 +46,19 @@ class StoreBase:
     @contextmanager
     def _write(self) -> Iterator[Session]:
         """A write transaction: committed on success, rolled back on any error. Inside a
-        `batch` it is a savepoint of the batch's transaction instead."""
+        `batch` it is a savepoint of the batch's transaction instead (one that raises in a
+        batch without savepoints still fails the whole batch)."""
         conn = getattr(self._batch, "conn", None)
         if conn is not None:
-            with Session(bind=conn, expire_on_commit=False,
-                         join_transaction_mode="create_savepoint") as session, session.begin():
-                yield session
+            try:
+                with Session(bind=conn, expire_on_commit=False,
+                             join_transaction_mode="create_savepoint") as session, \
+                        session.begin():
+                    yield session
+            except BaseException:
+                if not self._batch.savepoints:  # the same rule as `_conn_write`
+                    self._batch.failed = True
+                raise
             return
         with self._writes.begin() as session:
             yield session

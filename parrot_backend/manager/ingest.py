@@ -8,6 +8,11 @@ program package's own.
 A built `Call` is never changed afterwards (programs add and remove whole calls), so runs
 of one workflow share the `Call` of a call that has the same name and template and gives
 no generation configs of its own (the common case: every output takes the defaults).
+
+Closed runs of one workflow share their whole `Program` too (built and checked for
+duplicate names, producers and cycles once): a closed run's program never changes (only
+open runs add calls), so the program of a closed run is read-only. Open runs get their
+own program, which `add_calls` changes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class CallBuilder:
         self._size = size
         self._segments: OrderedDict[str, tuple[tuple[Segment, ...], frozenset[str]]] = OrderedDict()
         self._plain: OrderedDict[tuple[str, str], Call] = OrderedDict()  # default configs
+        # closed programs whose calls all take default configs, by (public, names+templates)
+        self._programs: OrderedDict[tuple[bool, tuple[tuple[str | None, str], ...]], Program]
+        self._programs = OrderedDict()
 
     def call(self, spec: CallSpec, index: int) -> Call:
         """The call of `spec`, named `#<index>` when unnamed (as `CallSpec.build`).
@@ -64,7 +72,23 @@ class CallBuilder:
         return [self.call(spec, base + i) for i, spec in enumerate(specs)]
 
     def program(self, spec: RunSpec) -> Program:
-        """What `spec.build()` returns: the program, checked against the run's inputs."""
-        program = Program(self.calls(spec.program.calls), public=spec.program.public)
+        """What `spec.build()` returns: the program, checked against the run's inputs.
+
+        Shared with earlier closed runs of the same workflow when the run is closed and no
+        call gives generation configs: do not mutate it (the module doc)."""
+        specs = spec.program.calls
+        key = None
+        if not spec.open and not any(c.outputs for c in specs):
+            key = (spec.program.public, tuple([(c.name, c.template) for c in specs]))
+            program = self._programs.get(key)
+            if program is not None:
+                self._programs.move_to_end(key)
+                program.check_run(spec.inputs, spec.outputs, closed=True)
+                return program
+        program = Program(self.calls(specs), public=spec.program.public)
         program.check_run(spec.inputs, spec.outputs, closed=not spec.open)
+        if key is not None:  # cached only once checked: a bad run's program is not kept
+            self._programs[key] = program
+            if len(self._programs) > self._size:
+                self._programs.popitem(last=False)
         return program

@@ -61,3 +61,58 @@ def test_calls_with_default_configs_are_shared_between_runs() -> None:
         0,
     )
     assert tuned is not first and tuned.configs["d"].max_tokens == 2
+
+
+def _run(inputs: dict[str, str], *, open: bool = False, public: bool = False, **extra) -> RunSpec:
+    calls = [
+        {"name": "a", "template": "Q {{input:q}} A {{output:x}}", **extra},
+        {"name": "b", "template": "Use {{input:x}}: {{output:y}}"},
+    ]
+    return RunSpec.model_validate(
+        {"program": {"calls": calls, "public": public}, "inputs": inputs, "open": open}
+    )
+
+
+def test_closed_runs_of_one_workflow_share_their_program() -> None:
+    builder = CallBuilder()
+    first = builder.program(_run({"q": "1"}))
+    again = builder.program(_run({"q": "2"}))
+    assert again is first  # built and checked once
+    fresh = _run({"q": "2"}).build()
+    assert list(again.calls) == list(fresh.calls) and again.inputs == fresh.inputs
+    assert {n: (v.producer, v.consumers) for n, v in again.variables.items()} == {
+        n: (v.producer, v.consumers) for n, v in fresh.variables.items()
+    }
+    # each run is still checked against the shared program
+    with pytest.raises(ProgramError, match="'q'"):
+        builder.program(_run({}))
+    # public programs, open runs and calls with configs of their own get their own
+    assert builder.program(_run({"q": "1"}, public=True)) is not first
+    assert builder.program(_run({"q": "1"}, public=True)).public
+    opened = builder.program(_run({}, open=True))
+    assert opened is not first and opened is not builder.program(_run({}, open=True))
+    tuned = _run({"q": "1"}, outputs={"x": {"max_tokens": 2}})
+    assert builder.program(tuned) is not builder.program(tuned)
+
+
+def test_a_program_that_failed_its_check_is_not_kept() -> None:
+    builder = CallBuilder()
+    with pytest.raises(ProgramError):
+        builder.program(_run({}))
+    assert not builder._programs
+    ok = builder.program(_run({"q": "1"}))
+    assert builder.program(_run({"q": "3"})) is ok
+
+
+async def test_open_run_adding_calls_leaves_shared_programs_alone() -> None:
+    from parrot_backend.manager.executor import Manager
+    from parrot_backend.manager.scripted import ScriptedEngine
+
+    async with Manager({"e0": ScriptedEngine(reply=lambda p: "r")}) as m:
+        closed = await m.create_run(_run({"q": "1"}))
+        opened = await m.create_run(_run({"q": "1"}, open=True))
+        await m.add_calls(opened, [CallSpec(name="c", template="More {{input:y}} {{output:z}}")])
+        assert "c" not in m.runs[closed].program.calls
+        assert m.builder.program(_run({"q": "5"})).calls.keys() == {"a", "b"}
+        await m.close_run(opened)
+        assert await m.get(opened, "z") == "r" and await m.get(closed, "y") == "r"

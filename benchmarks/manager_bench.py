@@ -7,7 +7,9 @@ scheduling-decision latency with many concurrent open runs.
 1. Throughput: create runs of a small map-reduce program (4 maps sharing a system prompt,
    1 reduce) and wait for all to finish. Every call is parsed, validated, deduced,
    rendered (segment-wise tokens, prefix keys), scheduled, dispatched and "generated" (the
-   engine returns EOS at once). Reported: calls per second, on one core (one event loop).
+   engine, `scripted.NoopEngine`, does no work: it answers EOS at once and keeps only the
+   set of live contexts, which must be empty at the end). Reported: calls per second, on
+   one core (one event loop).
 2. Decision latency: open `--open-runs` runs, then add calls to random runs one at a time;
    each call is ready at once. Reported: percentiles of ready -> dispatched (the time a
    ready call waits for its scheduling decision), and of dispatcher round durations; then
@@ -40,7 +42,7 @@ import sys
 import time
 
 from parrot_backend.manager.executor import Manager
-from parrot_backend.manager.scripted import ScriptedEngine
+from parrot_backend.manager.scripted import NoopEngine
 from parrot_backend.program import CallSpec, RunSpec
 
 SYSTEM = "You are a careful analyst. Summarize the text you are given in one sentence. "
@@ -70,8 +72,8 @@ def map_reduce(i: int) -> RunSpec:
     )
 
 
-def noop_engine() -> ScriptedEngine:
-    return ScriptedEngine(model_name="noop", reply=lambda prompt: "", record=False)
+def noop_engine() -> NoopEngine:
+    return NoopEngine(model_name="noop")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -99,7 +101,8 @@ def freeze(on: bool) -> None:
 async def throughput(n_runs: int, gc_freeze: bool = False) -> None:
     specs = [map_reduce(i) for i in range(n_runs)]  # client-side JSON parsing not counted
     freeze(gc_freeze)
-    async with Manager({"e0": noop_engine()}) as m:
+    engine = noop_engine()
+    async with Manager({"e0": engine}) as m:
         start = time.perf_counter()
         ids = [await m.create_run(s) for s in specs]
         for rid in ids:
@@ -108,6 +111,7 @@ async def throughput(n_runs: int, gc_freeze: bool = False) -> None:
         wall = time.perf_counter() - start
         calls = 5 * n_runs
         assert all(m.run_status(r).state == "finished" for r in ids)
+    assert not engine.live, f"{len(engine.live)} engine contexts were never freed"
     freeze(False)
     print(f"throughput: {n_runs} runs, {calls} calls in {wall:.2f} s")
     print(f"  {calls / wall:,.0f} calls/s ingested + deduced + scheduled + run (goal >= 20,000)")

@@ -216,3 +216,86 @@ class ScriptedEngine:
             preemptions=0,
             steps=0,
         )
+
+
+_EOS = TokenDelta(EOS_ID, "", "stop")
+
+
+class NoopEngine:
+    """An engine that does no work: every generation ends at once with EOS (an empty
+    value). For the manager benchmark, which measures the manager, not an engine.
+
+    It keeps only the set of live context ids, so that the contract's errors still show
+    (a fork of an unknown parent, a free of an unknown context) and a benchmark can check
+    that every context was freed (`live` is empty at the end).
+    """
+
+    def __init__(self, model_name: str = "noop", capacity_tokens: int = 1 << 30) -> None:
+        self.model_name = model_name
+        self.live: set[Hashable] = set()
+        self._stats = EngineStats(
+            block_size=16,
+            blocks_total=capacity_tokens // 16,
+            blocks_used=0,
+            blocks_free=capacity_tokens // 16,
+            blocks_cached=0,
+            prefix_cache_enabled=False,
+            prefix_cache_hits=0,
+            prefix_cache_queries=0,
+            contexts=0,
+            running=0,
+            waiting=0,
+            tokens_computed=0,
+            tokens_generated=0,
+            preemptions=0,
+            steps=0,
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        """UTF-8 bytes (as ScriptedEngine)."""
+        return list(text.encode())
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+
+    def _open(self, context_id: Hashable, parent_id: Hashable | None) -> None:
+        if parent_id is not None and parent_id not in self.live:
+            raise ContextNotFound(f"parent context {parent_id!r} not found")
+        self.live.add(context_id)
+
+    async def fill(
+        self,
+        context_id: Hashable,
+        parent_id: Hashable | None,
+        token_ids: list[int],
+        *,
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> int:
+        self._open(context_id, parent_id)
+        return len(token_ids)
+
+    def generate(
+        self,
+        context_id: Hashable,
+        parent_id: Hashable | None,
+        sampling: SamplingParams,
+        *,
+        salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[TokenDelta]:
+        self._open(context_id, parent_id)
+        return _eos()
+
+    async def free(self, context_id: Hashable) -> None:
+        try:
+            self.live.remove(context_id)
+        except KeyError:
+            raise ContextNotFound(f"unknown context {context_id!r}") from None
+
+    async def stats(self) -> EngineStats:
+        return self._stats
+
+
+async def _eos() -> AsyncIterator[TokenDelta]:
+    yield _EOS

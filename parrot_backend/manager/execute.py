@@ -24,6 +24,8 @@ from typing import Any
 
 from parrot_backend.engine.errors import ContextNotFound
 from parrot_backend.engine.interface import EngineClient, TokenDelta
+from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.program import GenerationConfig
 
 from .render import CallPlan, Step
 
@@ -45,13 +47,33 @@ def new_context_id(prefix: str = "call") -> str:
     return f"{prefix}:{_NAMESPACE}:{next(_ids)}"
 
 
-@dataclass(slots=True)
+# Configs are never mutated after validation and shared across runs (`ingest.py`), and
+# engines never mutate the SamplingParams they are given: one per config, by identity (the
+# entry holds the config, so its id is not reused while cached).
+_SAMPLING: dict[int, tuple[GenerationConfig, SamplingParams]] = {}
+_SAMPLING_SIZE = 4096
+
+
+def sampling_of(config: GenerationConfig) -> SamplingParams:
+    """`config.to_sampling()`, made once per config object (read-only: do not mutate)."""
+    hit = _SAMPLING.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    params = config.to_sampling()
+    if len(_SAMPLING) >= _SAMPLING_SIZE:
+        _SAMPLING.clear()
+    _SAMPLING[id(config)] = (config, params)
+    return params
+
+
+@dataclass(slots=True, eq=False)
 class _Ctx:
     """A context of this call; created on the engine by its first fill or generate."""
 
     id: str
     parent: Hashable | None
     created: bool = False
+    owned: bool = False  # in the runner's `owned` list
 
     def child(self) -> _Ctx:
         # a context not created yet holds exactly its parent's tokens: fork from that
@@ -111,7 +133,7 @@ class CallRunner:
         stream = self.engine.generate(
             target.id,
             parent,
-            step.config.to_sampling(),
+            sampling_of(step.config),
             salt=self._salt(target),
             **self.kwargs,
         )
@@ -151,7 +173,8 @@ class CallRunner:
         return self.salt if ctx.parent is None and not ctx.created else None
 
     def _own(self, ctx: _Ctx) -> None:
-        if ctx not in self.owned:
+        if not ctx.owned:
+            ctx.owned = True
             self.owned.append(ctx)
 
     async def free(self) -> None:

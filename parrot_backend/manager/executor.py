@@ -81,7 +81,7 @@ from .runs import (
     RunStatus,
     VariableFailed,
 )
-from .sharing import SharedPrefixes, shareable
+from .sharing import Attached, SharedPrefixes, shareable
 
 log = logging.getLogger(__name__)
 
@@ -764,11 +764,15 @@ class Manager:
                 run.log.append("call_started", started)
             # attach first: it pins the prefixes this call uses, so making room for the
             # rest of the call cannot evict them
-            attached = await self.sharing.attach(
-                engine_id, r.shared, r.plan.prompt, run.salt, priority
-            )
+            if r.shared:
+                attached = await self.sharing.attach(
+                    engine_id, r.shared, r.plan.prompt, run.salt, priority
+                )
+            else:  # what attach gives for no prefixes, without its coroutine
+                attached = Attached(None, 0)
             keys = attached.keys
-            await self.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
+            if self.sharing.table.has_idle(engine_id):  # make_room's own first test
+                await self.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
 
             async def on_token(step: Step, delta: TokenDelta) -> None:
                 await self._emit(

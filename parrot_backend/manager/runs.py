@@ -126,7 +126,11 @@ class Run:
 
     def inputs_ready(self, call: str) -> bool:
         """Whether every variable `call` reads has a value."""
-        return all(v in self.values for v in self.program.calls[call].inputs)
+        values = self.values
+        for v in self.program.calls[call].inputs:  # a loop: no generator per check
+            if v not in values:
+                return False
+        return True
 
     def resolve(self, name: str) -> None:
         """Wake `get()` waiters of `name` (its value or failure is already recorded)."""

@@ -1,0 +1,58 @@
+"""The manager benchmark's no-op engine keeps the engine contract it checks, and a manager
+running a shared-prefix map-reduce on it frees every context it made."""
+
+from __future__ import annotations
+
+import pytest
+
+from parrot_backend.engine.errors import ContextNotFound
+from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.scripted import NoopEngine
+from parrot_backend.program import RunSpec
+
+SYSTEM = "You are a careful analyst. Summarize the text you are given. "
+
+
+async def test_noop_engine_contract() -> None:
+    engine = NoopEngine()
+    assert await engine.fill("a", None, [1, 2, 3]) == 3
+    deltas = [d async for d in engine.generate("b", "a", SamplingParams())]
+    assert [(d.text, d.finish_reason) for d in deltas] == [("", "stop")]
+    with pytest.raises(ContextNotFound):
+        engine.generate("c", "missing", SamplingParams())
+    with pytest.raises(ContextNotFound):
+        await engine.fill("c", "missing", [1])
+    await engine.free("b")
+    await engine.free("a")
+    with pytest.raises(ContextNotFound):
+        await engine.free("a")
+    assert not engine.live and (await engine.stats()).free_tokens > 0
+
+
+async def test_manager_on_the_noop_engine_frees_everything() -> None:
+    calls = [
+        {"name": f"m{k}", "template": SYSTEM + f"Text: {{{{input:c{k}}}}} S: {{{{output:s{k}}}}}"}
+        for k in range(4)
+    ]
+    calls.append({"name": "r", "template": "All {{input:s0}} {{input:s2}}: {{output:t}}"})
+    engine = NoopEngine()
+    async with Manager({"e0": engine}) as m:
+        ids = []
+        for i in range(3):
+            spec = {
+                "program": {"calls": calls},
+                "inputs": {f"c{k}": f"doc {i}.{k}" for k in range(4)},
+                "outputs": {"t": "throughput"},
+            }
+            ids.append(await m.create_run(RunSpec.model_validate(spec)))
+        for rid in ids:
+            assert await m.get(rid, "t") == ""
+            async for _ in m.subscribe(rid):
+                pass
+            assert m.run_status(rid).state == "finished"
+        # the system prompt once for all runs; the reduce's prompt is the same in every
+        # run (empty values): its three prefixes ("All ", then after each value) once
+        assert m.sharing.fills["e0"] == 4
+        assert m.sharing.forks["e0"] == 15  # every call forked from a shared prefix
+    assert not engine.live  # calls' contexts freed as they end, the prefix at stop

@@ -306,7 +306,9 @@ class Manager:
         run.values.update(spec.inputs)
         run.values.update(known)
         for name, call in program.calls.items():
-            if all(out in known for out in call.outputs):
+            # a call with no output has nothing to do; one whose outputs are all known
+            # (recovered) is done
+            if not call.outputs or (known and all(out in known for out in call.outputs)):
                 run.calls[name].state = "finished"
         try:
             await self._deduce(run)
@@ -821,7 +823,8 @@ class Manager:
                 else:
                     run.log.append("call_finished", {"call": name})
                 run.calls[name].state = "finished"
-                await self._maybe_finish(run)
+                if not run.open and run.state == "running" and run.all_calls_done():
+                    await self._maybe_finish(run)  # it checks again: the same test
                 return
         except Exception as exc:  # e.g. a listener that cannot record the end
             error = f"{type(exc).__name__}: {exc}"

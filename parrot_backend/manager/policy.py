@@ -168,10 +168,15 @@ def schedule(
     state = {e.engine_id: _Load.of(e) for e in engines}
     reserved: set[str] = set()
     out: list[Assignment] = []
+    open_engines = list(state.values())  # those not reserved (made again when one is)
+    max_batch = config.max_batch
     for unit in _units(pending, now, config):
-        open_engines = [s for eid, s in state.items() if eid not in reserved]
-        if not unit.aged and all(s.batch_size >= config.max_batch for s in open_engines):
-            break  # nothing fits any more, and no later unit is aged (they come first)
+        if not unit.aged:
+            for s in open_engines:
+                if s.batch_size < max_batch:
+                    break
+            else:
+                break  # nothing fits any more, and no later unit is aged (they come first)
         # placements are tried on copies of the engines' loads (a group is all or
         # nothing); what a successful try made of them is this round's state from then on
         placed: tuple[list[Assignment], list[_Load]] | None
@@ -197,6 +202,7 @@ def schedule(
         if unit.aged and n_placed < len(unit.calls) and open_engines:
             # the aged work did not fit: hold the roomiest engine for it until it drains
             reserved.add(max(open_engines, key=lambda s: (s.free_kv_tokens, s.engine_id)).engine_id)
+            open_engines = [s for eid, s in state.items() if eid not in reserved]
     return out
 
 
@@ -214,7 +220,11 @@ def _units(pending: Iterable[PendingCall], now: float, config: PolicyConfig) -> 
             singles.append(call)
         else:
             groups.setdefault(call.group, []).append(call)
-    units = [_unit([c], now, config) for c in singles]
+    aging = config.aging_s
+    units = [
+        _Unit([c], now - c.enqueued_at > aging, c.objective == "latency", c.enqueued_at)
+        for c in singles
+    ]  # what `_unit([c], ...)` gives, without its min and any
     units += [_unit(sorted(m, key=lambda c: c.call_id), now, config) for m in groups.values()]
     units.sort(key=lambda u: (not u.aged, not u.latency, u.since, u.calls[0].call_id))
     return units
@@ -273,7 +283,9 @@ def _best(
     batched: bool,
 ) -> _Load | None:
     fitting = [e for e in engines if _fits(call, e, config, aged, batched)]
-    return min(fitting, key=lambda e: _rank(call, e, batched)) if fitting else None
+    if len(fitting) < 2:  # nothing to rank
+        return fitting[0] if fitting else None
+    return min(fitting, key=lambda e: _rank(call, e, batched))
 
 
 def _place_unit(
@@ -345,5 +357,6 @@ def _commit(call: PendingCall, engine: _Load, single: bool) -> Assignment:
         engine.running_latency += 1
     added = engine.prefixes if engine.extra is None else engine.extra
     assert isinstance(added, set)
-    added.update(p.key for p in call.prefixes)
+    for p in call.prefixes:
+        added.add(p.key)
     return Assignment(call.call_id, engine.engine_id, hit)

@@ -69,8 +69,8 @@ from .execute import CallRunner
 from .ingest import CallBuilder
 from .objectives import deduce_shared
 from .policy import EngineSnapshot, PendingCall, PolicyConfig, schedule
-from .prefix import Prefix, call_prefixes
-from .render import CallPlan, Step, TokenCache, plan_and_pieces
+from .prefix import Prefix
+from .render import CallPlan, Step, TokenCache, render_call
 from .runs import (
     CallStatus,
     Run,
@@ -545,11 +545,8 @@ class Manager:
             if status is None or status.state != "waiting" or not run.inputs_ready(name):
                 continue
             call = run.program.calls[name]
-            # each segment is tokenized once, for the plan and the prefix keys
-            plan, pieces = plan_and_pieces(call, run.values, self.tokens)
-            prefixes = tuple(
-                call_prefixes(self.model, call.segments, run.values, self.tokens, run.salt, pieces)
-            )
+            # the plan and the prefix keys in one pass; each value is tokenized once
+            plan, prefixes = render_call(call, run.values, self.tokens, self.model, run.salt)
             static = None
             if prefixes and prefixes[0].n_segments == 1 and isinstance(call.segments[0], Text):
                 static = prefixes[0].key

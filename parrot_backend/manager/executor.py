@@ -274,7 +274,7 @@ class Manager:
         the id. `known` gives generated values recovered from a store: calls whose outputs
         are all known do not run again. Raises ProgramError (bad program or inputs).
         """
-        program = self.builder.program(spec)
+        program, program_json = self.builder.build(spec)  # both read-only (shared)
         run_id = run_id or uuid.uuid4().hex
         if run_id in self.runs:
             raise ValueError(f"run {run_id} already exists")
@@ -292,7 +292,7 @@ class Manager:
         run.calls = {name: CallStatus("waiting") for name in program.calls}
         self.runs[run_id] = run
         payload = {
-            "program": spec.program.model_dump(mode="json"),
+            "program": program_json,
             "inputs": dict(spec.inputs),
             "outputs": dict(spec.outputs),
             "open": spec.open,

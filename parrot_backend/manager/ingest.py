@@ -12,13 +12,15 @@ no generation configs of its own (the common case: every output takes the defaul
 Closed runs of one workflow share their whole `Program` too (built and checked for
 duplicate names, producers and cycles once): a closed run's program never changes (only
 open runs add calls), so the program of a closed run is read-only. Open runs get their
-own program, which `add_calls` changes.
+own program, which `add_calls` changes. They also share the program's JSON form (what
+the `run_created` event carries): read-only, as every event payload.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from parrot_backend.program import Call, CallSpec, GenerationConfig, Program, RunSpec, Segment
 
@@ -33,8 +35,9 @@ class CallBuilder:
         self._segments: OrderedDict[str, tuple[tuple[Segment, ...], frozenset[str]]] = OrderedDict()
         self._plain: OrderedDict[tuple[str, str], Call] = OrderedDict()  # default configs
         # closed programs whose calls all take default configs, by (public, names+templates)
-        self._programs: OrderedDict[tuple[bool, tuple[tuple[str | None, str], ...]], Program]
-        self._programs = OrderedDict()
+        self._programs: OrderedDict[
+            tuple[bool, tuple[tuple[str | None, str], ...]], tuple[Program, dict[str, Any]]
+        ] = OrderedDict()
 
     def call(self, spec: CallSpec, index: int) -> Call:
         """The call of `spec`, named `#<index>` when unnamed (as `CallSpec.build`).
@@ -76,19 +79,26 @@ class CallBuilder:
 
         Shared with earlier closed runs of the same workflow when the run is closed and no
         call gives generation configs: do not mutate it (the module doc)."""
+        return self.build(spec)[0]
+
+    def build(self, spec: RunSpec) -> tuple[Program, dict[str, Any]]:
+        """`program(spec)` and `spec.program.model_dump(mode="json")`, both shared with
+        earlier closed runs of the same workflow where `program` shares the program:
+        read-only (the module doc)."""
         specs = spec.program.calls
         key = None
         if not spec.open and not any(c.outputs for c in specs):
             key = (spec.program.public, tuple([(c.name, c.template) for c in specs]))
-            program = self._programs.get(key)
-            if program is not None:
+            hit = self._programs.get(key)
+            if hit is not None:
                 self._programs.move_to_end(key)
-                program.check_run(spec.inputs, spec.outputs, closed=True)
-                return program
+                hit[0].check_run(spec.inputs, spec.outputs, closed=True)
+                return hit
         program = Program(self.calls(specs), public=spec.program.public)
         program.check_run(spec.inputs, spec.outputs, closed=not spec.open)
+        built = program, spec.program.model_dump(mode="json")
         if key is not None:  # cached only once checked: a bad run's program is not kept
-            self._programs[key] = program
+            self._programs[key] = built
             if len(self._programs) > self._size:
                 self._programs.popitem(last=False)
-        return program
+        return built

@@ -153,7 +153,10 @@ class Run:
 
     def all_calls_done(self) -> bool:
         """Whether no call can still change a variable."""
-        return all(c.state in TERMINAL_CALL_STATES for c in self.calls.values())
+        for c in self.calls.values():  # a loop: no generator per check
+            if c.state not in TERMINAL_CALL_STATES:
+                return False
+        return True
 
     def status(self) -> RunStatus:
         """A snapshot (copies, safe to hand out)."""

@@ -135,8 +135,12 @@ class SharedPrefixes:
                 else:
                     self.table.acquire(prefix.key, self.clock())
                     out.keys.append(prefix.key)
+                    ready = self._ready[prefix.key]
                     try:
-                        await asyncio.shield(self._ready[prefix.key])
+                        if ready.done():  # filled (or failed) before: no shield to wait on
+                            ready.result()
+                        else:
+                            await asyncio.shield(ready)
                     except PrefixUnavailable:
                         # its filler failed or was cancelled: this call fills those tokens
                         out.keys.pop()

@@ -116,3 +116,19 @@ async def test_open_run_adding_calls_leaves_shared_programs_alone() -> None:
         assert m.builder.program(_run({"q": "5"})).calls.keys() == {"a", "b"}
         await m.close_run(opened)
         assert await m.get(opened, "z") == "r" and await m.get(closed, "y") == "r"
+
+
+def test_program_json_equals_the_specs_dump_and_is_shared_with_the_program() -> None:
+    builder = CallBuilder()
+    for spec in (
+        _run({"q": "1"}),
+        _run({"q": "2"}),
+        _run({"q": "1"}, public=True),
+        _run({}, open=True),
+        _run({"q": "1"}, outputs={"x": {"max_tokens": 2, "stop": ["."]}}),
+    ):
+        program, dumped = builder.build(spec)
+        assert dumped == spec.program.model_dump(mode="json")
+        assert program is builder.build(spec)[0] or spec.open or spec.program.calls[0].outputs
+    first, again = builder.build(_run({"q": "1"})), builder.build(_run({"q": "9"}))
+    assert again[1] is first[1]  # one JSON form per workflow, as one program

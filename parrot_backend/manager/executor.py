@@ -46,7 +46,7 @@ import contextlib
 import inspect
 import logging
 import time
-import uuid
+import os
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -275,7 +275,7 @@ class Manager:
         are all known do not run again. Raises ProgramError (bad program or inputs).
         """
         program, program_json = self.builder.build(spec)  # both read-only (shared)
-        run_id = run_id or uuid.uuid4().hex
+        run_id = run_id or os.urandom(16).hex()  # 128 random bits, as uuid4().hex
         if run_id in self.runs:
             raise ValueError(f"run {run_id} already exists")
         known = dict(known or {})
@@ -473,12 +473,9 @@ class Manager:
     async def _deduce(self, run: Run) -> None:
         deduction = deduce_shared(run.program, run.criteria())
         old = run.deduction
-        changed = old is None or old.calls != deduction.calls
+        changed = old is None or (old is not deduction and old.calls != deduction.calls)
         if changed:
-            calls = {
-                n: {"objective": c.objective, "group": c.group} for n, c in deduction.calls.items()
-            }
-            await self._emit(run, "objectives", {"calls": calls})
+            await self._emit(run, "objectives", {"calls": deduction.as_json()})
         run.deduction = deduction
         for name, ready in run.queued.items():
             objective, ready.group = run.objective(name)

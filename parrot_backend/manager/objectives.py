@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from parrot_backend.program import Call, Criterion, Program, UnknownVariableError
@@ -58,6 +58,16 @@ class Deduction:
 
     calls: dict[str, CallObjective]
     groups: list[TaskGroup]
+    _json: dict[str, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+
+    def as_json(self) -> dict[str, dict[str, Any]]:
+        """Each call's objective and group as JSON (the `objectives` event's `calls`),
+        made once per deduction: read-only, as deductions are."""
+        if self._json is None:
+            self._json = {
+                n: {"objective": c.objective, "group": c.group} for n, c in self.calls.items()
+            }
+        return self._json
 
     def group_of(self, call: str) -> TaskGroup | None:
         """The task group of `call`, or None."""

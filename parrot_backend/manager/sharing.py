@@ -54,17 +54,20 @@ def shareable(
 ) -> list[tuple[Prefix, ...]]:
     """For each call's prefixes (shortest first), those worth sharing (see module doc)."""
     calls = [tuple(c) for c in candidates]
-    counts = Counter(p.key for c in calls for p in c)
-    return [
-        tuple(
-            p
-            for p in c
-            if counts[p.key] >= 2
-            or p.key in table
-            or (is_static(p) and p.n_tokens >= static_min_tokens)
-        )
-        for c in calls
-    ]
+    counts = Counter([p.key for c in calls for p in c])
+    out: list[tuple[Prefix, ...]] = []
+    for c in calls:  # loops, not a generator per call: this runs for every ready call
+        kept = []
+        for p in c:
+            key = p.key
+            if (
+                counts[key] >= 2
+                or key in table
+                or (p.n_tokens >= static_min_tokens and is_static(p))
+            ):
+                kept.append(p)
+        out.append(tuple(kept) if len(kept) != len(c) else c)
+    return out
 
 
 class SharedPrefixes:

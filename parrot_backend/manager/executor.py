@@ -45,8 +45,8 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import time
 import os
+import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field

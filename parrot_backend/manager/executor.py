@@ -163,11 +163,13 @@ class Manager:
         self._pending_latency = 0  # calls in `_pending` whose objective is latency
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Start the dispatcher on the running loop."""
         if self._dispatcher is None:
+            self._loop = asyncio.get_running_loop()
             self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="parrot-dispatch")
 
     async def stop(self) -> None:
@@ -725,7 +727,8 @@ class Manager:
         load.batch += 1
         load.tokens += r.plan.n_tokens
         load.latency += counted_latency
-        task = asyncio.create_task(self._run_call(r, engine_id, objective, group))
+        # on the manager's loop (the dispatcher's): its create_task, without the lookup
+        task = self._loop.create_task(self._run_call(r, engine_id, objective, group))
         r.run.tasks[r.name] = task
 
         def done(_: asyncio.Task[None]) -> None:

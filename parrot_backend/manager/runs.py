@@ -105,7 +105,14 @@ class Run:
     queued: dict[str, Any] = field(default_factory=dict)  # ready calls the dispatcher holds
     deduction: Deduction | None = None
     state: RunPhase = "running"
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # orders listener calls
+    _lock: asyncio.Lock | None = field(default=None, init=False, repr=False)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Orders listener calls (made on first use: runs without listeners never need it)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
     def criteria(self) -> dict[str, Criterion]:
         """Every wait that objective deduction should see: declared outputs and `get`s

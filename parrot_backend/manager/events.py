@@ -67,6 +67,9 @@ class Event(NamedTuple):
     payload: dict[str, Any]
 
 
+_new_tuple = tuple.__new__
+
+
 class EventLog:
     """The events of one run, kept in memory, with live subscribers.
 
@@ -82,9 +85,13 @@ class EventLog:
 
     def append(self, type: str, payload: dict[str, Any]) -> Event:
         """Record an event (already acknowledged by the listeners) and wake subscribers."""
-        event = Event(self.run_id, len(self.events) + 1, type, payload)
-        self.events.append(event)
-        self._wake()
+        events = self.events
+        # what Event(...) makes, without the named tuple's Python-level __new__
+        event = _new_tuple(Event, (self.run_id, len(events) + 1, type, payload))
+        events.append(event)
+        if self._changed is not None:  # _wake(), inline
+            self._changed.set()
+            self._changed = None
         return event
 
     def close(self) -> None:

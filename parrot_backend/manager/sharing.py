@@ -123,7 +123,7 @@ class SharedPrefixes:
                     continue  # lives elsewhere (or failed): fill the tokens in the call
                 if entry is None:
                     parent = out.keys[-1] if out.keys else None
-                    self.table.insert(
+                    entry = self.table.insert(
                         prefix.key,
                         engine_id,
                         self.context_id(prefix.key),
@@ -149,7 +149,8 @@ class SharedPrefixes:
                         out.keys.pop()
                         await self.release(engine_id, [prefix.key])
                         continue
-                out.context_id, out.n_tokens = self.context_id(prefix.key), prefix.n_tokens
+                # the entry's context: `context_id(key)`, made when it was inserted
+                out.context_id, out.n_tokens = entry.context_id, prefix.n_tokens
         except BaseException:
             await self.release(engine_id, out.keys)
             raise

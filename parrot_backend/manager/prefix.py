@@ -30,7 +30,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from parrot_backend.program import Call, InputRef, OutputRef, Segment, Text
 
@@ -132,9 +132,13 @@ def prefix_key(model: str, token_ids: Sequence[int], salt: str | bytes | None) -
     return h.hexdigest()
 
 
-@dataclass(slots=True, frozen=True)
-class Prefix:
-    """A shareable prefix of one call: its key and where it ends."""
+class Prefix(NamedTuple):
+    """A shareable prefix of one call: its key and where it ends.
+
+    A named tuple (immutable and hashable, as a frozen dataclass) because ready calls hold
+    a few each: once the collector has seen one it stops tracking it (its fields are a
+    string and ints), so the prefixes of calls waiting in memory are not walked again.
+    """
 
     key: str
     n_segments: int

@@ -130,13 +130,9 @@ _CACHE_SIZE = 4096
 # cached; model and tokenizer are checked on use). At most _CACHE_SIZE recipes in all.
 _RECIPES: dict[int, dict[str | bytes | None, _Recipe]] = {}
 _N_RECIPES = 0
-# Prefix(key, n_segments, n_tokens) costs three object.__setattr__ calls (a frozen
-# dataclass); setting the slots through their own descriptors makes an equal Prefix in
-# about half the time. Prefix has no __post_init__ and no defaults to miss.
-_NEW = object.__new__
-_SET_KEY = Prefix.key.__set__  # type: ignore[attr-defined]
-_SET_SEGMENTS = Prefix.n_segments.__set__  # type: ignore[attr-defined]
-_SET_TOKENS = Prefix.n_tokens.__set__  # type: ignore[attr-defined]
+# Prefix is a named tuple: tuple.__new__ makes an equal one without its Python-level
+# __new__ (Prefix has no defaults to miss).
+_NEW_TUPLE = tuple.__new__
 
 
 class _Recipe:
@@ -366,11 +362,7 @@ def _render(
                 h.update(array("I", piece))
             n = len(prompt)
             if n != last:  # empty prefixes skipped: n never falls, and starts at 0 or above
-                p = _NEW(Prefix)  # Prefix(h.hexdigest(), cut, n), see _SET_KEY
-                _SET_KEY(p, h.hexdigest())
-                _SET_SEGMENTS(p, cut)
-                _SET_TOKENS(p, n)
-                out.append(p)
+                out.append(_NEW_TUPLE(Prefix, (h.hexdigest(), cut, n)))  # see _NEW_TUPLE
                 last = n
     if r.tail:
         prompt += r.tail

@@ -110,9 +110,9 @@ class CallRunner:
         Outputs in `known` (recovered values) are filled, not generated.
         """
         cur = _Ctx(new_context_id(), fork_from)
-        rest = plan.prompt[skip:]
+        rest = plan.prompt[skip:]  # a new list: the engine may keep it
         if rest:
-            await self._fill(cur, rest)
+            await self._fill(cur, rest, copy=False)
         elif fork_from is None:
             raise EmptyPrompt("the call's template has no text or value before its first output")
         for i, step in enumerate(plan.steps):
@@ -146,8 +146,9 @@ class CallRunner:
                     parts.append(delta.text)
                     await on_token(step, delta)
                 finish = delta.finish_reason
-        finally:
-            await stream.aclose()
+        except BaseException:
+            await stream.aclose()  # (a stream that ran to its end has nothing to close)
+            raise
         value = "".join(parts)
         await on_value(step, value)
         if fork and finish == "stop":
@@ -155,14 +156,16 @@ class CallRunner:
             await self._fill(target, self.tokenize(value))
         return target
 
-    async def _fill(self, ctx: _Ctx, tokens: list[int]) -> None:
+    async def _fill(self, ctx: _Ctx, tokens: list[int], copy: bool = True) -> None:
+        """Fill `tokens` into `ctx`; copied first unless `copy` is false (a list of the
+        caller's own: plans and cached tokens are shared and must not reach the engine)."""
         if not tokens:
             return  # an uncreated context stays lazy: the next request forks it
         self._own(ctx)
         await self.engine.fill(
             ctx.id,
             None if ctx.created else ctx.parent,
-            list(tokens),
+            list(tokens) if copy else tokens,
             salt=self._salt(ctx),
             **self.kwargs,
         )

@@ -788,7 +788,11 @@ class Manager:
             async def on_value(step: Step, value: str) -> None:
                 await self._set_value(run, step.output, value, source="call", call=name)
 
-            known = {o: run.values[o] for o in run.program.calls[name].outputs if o in run.values}
+            known: dict[str, str] = {}  # outputs recovered (a store's resume) are filled
+            values = run.values
+            for o in run.program.calls[name].outputs:
+                if o in values:
+                    known[o] = values[o]
             await runner.run(
                 r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value
             )

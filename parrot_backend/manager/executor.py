@@ -47,7 +47,7 @@ import inspect
 import logging
 import os
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -159,7 +159,7 @@ class Manager:
         self._capacity: dict[str, int] = {}
         self._load = {eid: _Load() for eid in self.engines}
         self._pending: dict[str, _Ready] = {}  # by call id, in enqueue order
-        self._pending_runs: Counter[str] = Counter()  # run id -> its calls in `_pending`
+        self._pending_runs: dict[str, int] = {}  # run id -> its calls in `_pending`
         self._pending_latency = 0  # calls in `_pending` whose objective is latency
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -628,14 +628,14 @@ class Manager:
         # each pass below stops once the slots are taken: a round costs in the slots, not
         # in the backlog (the counters say how many runs and latency calls are pending)
         chosen: dict[str, _Ready] = {}
-        taken: Counter[str] = Counter()
+        taken: dict[str, int] = {}  # run id -> calls chosen (a dict: no __missing__ calls)
         passed: set[tuple[str, int]] = set()  # groups that did not fit this round
 
         def take(r: _Ready) -> None:
             """Choose `r`, with its whole task group when it has one, if it fits."""
             if r.group is None:
                 chosen[r.call_id] = r
-                taken[r.run.run_id] += 1
+                taken[r.run.run_id] = taken.get(r.run.run_id, 0) + 1
                 return
             gkey = (r.run.run_id, r.group)
             if gkey in passed:
@@ -650,7 +650,7 @@ class Manager:
                 return
             for q in members:
                 chosen[q.call_id] = q
-            taken[r.run.run_id] += len(members)
+            taken[r.run.run_id] = taken.get(r.run.run_id, 0) + len(members)
 
         old = self.clock() - self.config.policy.aging_s
         for r in pending.values():
@@ -675,7 +675,7 @@ class Manager:
                         break
                     if (r.objective == "latency") != want_latency or r.call_id in chosen:
                         continue
-                    if fair and taken[r.run.run_id] >= share:
+                    if fair and taken.get(r.run.run_id, 0) >= share:
                         continue
                     take(r)
         return list(chosen.values())
@@ -851,23 +851,27 @@ class Manager:
             self._count_out(old)
         self._pending[ready.call_id] = ready
         ready.run.queued[ready.name] = ready
-        self._pending_runs[ready.run.run_id] += 1
+        runs = self._pending_runs
+        run_id = ready.run.run_id
+        runs[run_id] = runs.get(run_id, 0) + 1
         self._pending_latency += ready.objective == "latency"
 
     def _unqueue(self, run: Run, name: str) -> None:
         """Take a ready call off the dispatcher's queue."""
-        run.queued.pop(name, None)
-        ready = self._pending.pop(f"{run.run_id}/{name}", None)
+        queued = run.queued.pop(name, None)
+        call_id = queued.call_id if queued is not None else f"{run.run_id}/{name}"
+        ready = self._pending.pop(call_id, None)
         if ready is not None:
             self._count_out(ready)
 
     def _count_out(self, ready: _Ready) -> None:
         run_id = ready.run.run_id
-        left = self._pending_runs[run_id] - 1
+        runs = self._pending_runs
+        left = runs[run_id] - 1
         if left:
-            self._pending_runs[run_id] = left
+            runs[run_id] = left
         else:
-            del self._pending_runs[run_id]
+            del runs[run_id]
         self._pending_latency -= ready.objective == "latency"
 
     def _engine_kwargs(self, engine_id: str, priority: int) -> Mapping[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from parrot_backend.program import Call, InputRef, OutputRef, Segment, Text
 
-Tokenize = Callable[[str], list[int]]
+Tokenize = Callable[[str], Sequence[int]]
 
 _VERSION = b"parrot-prefix/1\0"  # bump when the key layout changes: old keys must not match
 

@@ -22,7 +22,7 @@ import sys
 import weakref
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,28 +31,30 @@ from parrot_backend.program import Call, GenerationConfig, InputRef, OutputRef, 
 from . import prefix as _prefix
 from .prefix import Prefix
 
-Tokenize = Callable[[str], list[int]]
+Tokenize = Callable[[str], Sequence[int]]
 
 
 class TokenCache:
     """Tokenizes segments through one tokenizer, remembering recent ones (LRU).
 
     Template texts (system prompts, instructions) repeat across runs, and a value read by
-    many calls is tokenized once.
+    many calls is tokenized once. Tokens are kept as tuples: immutable, and once the
+    garbage collector has seen one (ints only) it stops tracking it, so a full cache is
+    not walked by every collection as lists would be.
     """
 
     def __init__(self, tokenize: Tokenize, size: int = 4096) -> None:
         self._tokenize = tokenize
         self._size = size
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
-    def __call__(self, text: str) -> list[int]:
-        """Tokens of one segment (cached: do not mutate the result)."""
+    def __call__(self, text: str) -> tuple[int, ...]:
+        """Tokens of one segment (cached, shared)."""
         hit = self._cache.get(text)
         if hit is not None:
             self._cache.move_to_end(text)
             return hit
-        tokens = self._tokenize(text)
+        tokens = tuple(self._tokenize(text))
         self._cache[text] = tokens
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)

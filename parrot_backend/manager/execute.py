@@ -128,14 +128,16 @@ class CallRunner:
     ) -> _Ctx:
         fork = more and bool(step.config.stop)
         target = cur.child() if fork else cur
-        parent = None if target.created else target.parent
-        self._own(target)
+        if not target.owned:  # the runner frees what it owns
+            target.owned = True
+            self.owned.append(target)
+        if target.created:
+            parent = salt = None  # exists: no parent, and its salt was given at creation
+        else:
+            parent = target.parent
+            salt = self.salt if parent is None else None  # a fork inherits its parent's
         stream = self.engine.generate(
-            target.id,
-            parent,
-            sampling_of(step.config),
-            salt=self._salt(target),
-            **self.kwargs,
+            target.id, parent, sampling_of(step.config), salt=salt, **self.kwargs
         )
         target.created = True
         parts: list[str] = []
@@ -161,24 +163,18 @@ class CallRunner:
         caller's own: plans and cached tokens are shared and must not reach the engine)."""
         if not tokens:
             return  # an uncreated context stays lazy: the next request forks it
-        self._own(ctx)
-        await self.engine.fill(
-            ctx.id,
-            None if ctx.created else ctx.parent,
-            list(tokens) if copy else tokens,
-            salt=self._salt(ctx),
-            **self.kwargs,
-        )
-        ctx.created = True
-
-    def _salt(self, ctx: _Ctx) -> str | None:
-        # a fork inherits its parent's salt (a public prefix keeps None)
-        return self.salt if ctx.parent is None and not ctx.created else None
-
-    def _own(self, ctx: _Ctx) -> None:
-        if not ctx.owned:
+        if not ctx.owned:  # the runner frees what it owns
             ctx.owned = True
             self.owned.append(ctx)
+        if ctx.created:
+            parent = salt = None  # exists: no parent, and its salt was given at creation
+        else:
+            parent = ctx.parent
+            salt = self.salt if parent is None else None  # a fork inherits its parent's
+        await self.engine.fill(
+            ctx.id, parent, list(tokens) if copy else tokens, salt=salt, **self.kwargs
+        )
+        ctx.created = True
 
     async def free(self) -> None:
         """Free the contexts this call created, newest (children) first."""

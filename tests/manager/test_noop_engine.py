@@ -56,3 +56,31 @@ async def test_manager_on_the_noop_engine_frees_everything() -> None:
         assert m.sharing.fills["e0"] == 4
         assert m.sharing.forks["e0"] == 15  # every call forked from a shared prefix
     assert not engine.live  # calls' contexts freed as they end, the prefix at stop
+
+
+async def test_engine_load_returns_to_zero_after_cancels_and_ends() -> None:
+    import asyncio
+
+    from parrot_backend.manager.scripted import ScriptedEngine
+
+    gate = asyncio.Event()
+    engine = ScriptedEngine(reply=lambda p: "ab", gate=gate)
+    async with Manager({"e0": engine}) as m:
+        spec = {"program": {"calls": [{"template": "Q {{input:q}} A {{output:a}}"}]}}
+        ids = [
+            await m.create_run(RunSpec.model_validate({**spec, "inputs": {"q": str(i)}}))
+            for i in range(4)
+        ]
+        while m.counts()["running_calls"] < 4:
+            await asyncio.sleep(0.01)
+        await m.cancel(ids[0])
+        await m.cancel(ids[1])
+        gate.set()
+        assert [await m.get(r, "a") for r in ids[2:]] == ["ab", "ab"]
+        while m.counts()["running_calls"]:
+            await asyncio.sleep(0.01)
+        load = m._load["e0"]
+        assert (load.batch, load.tokens, load.latency) == (0, 0, 0)
+        assert m.counts()["running_calls"] == 0
+        assert all(c.startswith("pfx:") for c in engine.contexts)  # only the hot prefix
+    assert not engine.contexts  # freed when the manager stops

@@ -101,17 +101,23 @@ class ManagerConfig:
 
 @dataclass(slots=True)
 class _Ready:
-    """A ready call waiting for the dispatcher."""
+    """A ready call waiting for the dispatcher.
+
+    It is rendered (`plan`, `prefixes`, `static_key`) when a dispatcher round first
+    offers it to the policy, not when it becomes ready: a backlog holds no plans or keys,
+    and what a call renders lives only as long as it waits for a slot and runs (its
+    inputs never change once set, so rendering later gives the same plan).
+    """
 
     call_id: str  # "<run id>/<call name>", unique across runs
     run: Run
     name: str
-    plan: CallPlan
-    prefixes: tuple[Prefix, ...]
-    static_key: str | None
     enqueued_at: float
     objective: Criterion = "throughput"  # kept current by _deduce
     group: int | None = None
+    plan: CallPlan | None = None  # set by `Manager._render`
+    prefixes: tuple[Prefix, ...] = ()
+    static_key: str | None = None
     shared: tuple[Prefix, ...] = ()
 
 
@@ -543,14 +549,8 @@ class Manager:
             status = run.calls.get(name)
             if status is None or status.state != "waiting" or not run.inputs_ready(name):
                 continue
-            call = run.program.calls[name]
-            # the plan and the prefix keys in one pass; each value is tokenized once
-            plan, prefixes = render_call(call, run.values, self.tokens, self.model, run.salt)
-            static = None
-            if prefixes and prefixes[0].n_segments == 1 and isinstance(call.segments[0], Text):
-                static = prefixes[0].key
             status.state = "ready"
-            ready = _Ready(f"{run.run_id}/{name}", run, name, plan, prefixes, static, self.clock())
+            ready = _Ready(f"{run.run_id}/{name}", run, name, self.clock())
             ready.objective, ready.group = run.objective(name)
             self._queue(ready)
             queued = True
@@ -582,6 +582,8 @@ class Manager:
         cap = self.config.policy.max_batch
         slots = sum(cap - self._load[eid].batch if st else 0 for eid, st in stats.items())
         ready = self._window(max(0, slots))
+        if any(r.plan is None for r in ready):
+            ready = await self._render(ready)
         statics = {r.static_key for r in ready if r.static_key is not None}
         shared = shareable(
             (r.prefixes for r in ready),
@@ -605,6 +607,31 @@ class Manager:
                 self._unqueue(r.run, r.name)
                 self._start(r, a.engine_id)
         self.round_durations.append(time.perf_counter() - began)
+
+    async def _render(self, ready: list[_Ready]) -> list[_Ready]:
+        """Render the calls not rendered yet (`_Ready`); returns those that rendered. A
+        call that cannot be rendered fails (with what depends on it)."""
+        out: list[_Ready] = []
+        failed: list[tuple[_Ready, str]] = []
+        model, tokens = self.model, self.tokens
+        for r in ready:
+            if r.plan is None:
+                run = r.run
+                call = run.program.calls[r.name]
+                try:
+                    # the plan and the prefix keys in one pass; each value tokenized once
+                    r.plan, prefixes = render_call(call, run.values, tokens, model, run.salt)
+                except Exception as exc:  # e.g. a tokenizer giving ids out of range
+                    failed.append((r, f"{type(exc).__name__}: {exc}"))
+                    continue
+                r.prefixes = prefixes
+                if prefixes and prefixes[0].n_segments == 1 and isinstance(call.segments[0], Text):
+                    r.static_key = prefixes[0].key
+            out.append(r)
+        for r, error in failed:
+            self._unqueue(r.run, r.name)
+            await self._fail_calls(r.run, {r.name: f"rendering the call failed: {error}"})
+        return out
 
     def _window(self, slots: int) -> list[_Ready]:
         """The pending calls worth offering to the policy this round.

@@ -10,7 +10,6 @@ from collections import Counter
 from parrot_backend.manager.events import EventLog
 from parrot_backend.manager.executor import Manager, ManagerConfig, _Ready
 from parrot_backend.manager.policy import PolicyConfig
-from parrot_backend.manager.render import CallPlan
 from parrot_backend.manager.runs import Run
 from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import Program, RunSpec
@@ -78,9 +77,6 @@ def test_window_picks_what_the_rule_says() -> None:
                 f"{run.run_id}/c{k}",
                 run,
                 f"c{k}",
-                CallPlan([], [], 1),
-                (),
-                None,
                 now[0] - rng.choice([0.0, 1.0, 50.0]) + k * 1e-3,
                 rng.choice(["latency", "throughput"]),
                 rng.choice([None, 0, 1]),
@@ -99,9 +95,7 @@ def test_window_picks_what_the_rule_says() -> None:
 
 
 def _ready(run: Run, name: str, at: float, group: int | None, objective="throughput") -> _Ready:
-    return _Ready(
-        f"{run.run_id}/{name}", run, name, CallPlan([], [], 1), (), None, at, objective, group
-    )
+    return _Ready(f"{run.run_id}/{name}", run, name, at, objective, group)
 
 
 def test_a_group_is_never_split_and_counts_against_the_slots() -> None:

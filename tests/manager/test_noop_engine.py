@@ -84,3 +84,37 @@ async def test_engine_load_returns_to_zero_after_cancels_and_ends() -> None:
         assert m.counts()["running_calls"] == 0
         assert all(c.startswith("pfx:") for c in engine.contexts)  # only the hot prefix
     assert not engine.contexts  # freed when the manager stops
+
+
+async def test_a_call_that_cannot_be_rendered_fails_and_the_rest_go_on() -> None:
+    """Calls are rendered when the dispatcher first offers them: a render error (here a
+    tokenizer giving an id out of range) fails that call and what depends on it."""
+    from parrot_backend.manager.scripted import ScriptedEngine
+
+    class BadTokens(ScriptedEngine):
+        def tokenize(self, text: str) -> list[int]:
+            return [2**40] if text == "BAD" else super().tokenize(text)
+
+    engine = BadTokens(reply=lambda p: "fine")
+    calls = [
+        {"name": "a", "template": "Q {{input:q}} A {{output:x}}"},
+        {"name": "b", "template": "Then {{input:x}} B {{output:y}}"},
+    ]
+    async with Manager({"e0": engine}) as m:
+        bad = await m.create_run(
+            RunSpec.model_validate({"program": {"calls": calls}, "inputs": {"q": "BAD"}})
+        )
+        good = await m.create_run(
+            RunSpec.model_validate({"program": {"calls": calls}, "inputs": {"q": "ok"}})
+        )
+        assert await m.get(good, "y") == "fine"
+        from parrot_backend.manager.runs import VariableFailed
+
+        with pytest.raises(VariableFailed, match="rendering the call failed: ValueError"):
+            await m.get(bad, "y")
+        async for _ in m.subscribe(bad):
+            pass
+        status = m.run_status(bad)
+        assert status.state == "failed"
+        assert status.calls["a"].state == "failed" and status.calls["b"].state == "failed"
+        assert m.counts()["pending_calls"] == 0

@@ -123,8 +123,7 @@ def decision_path(n_runs: int) -> None:
     from parrot_backend.manager.ingest import CallBuilder
     from parrot_backend.manager.objectives import deduce_shared
     from parrot_backend.manager.policy import EngineSnapshot, PendingCall, schedule
-    from parrot_backend.manager.prefix import call_prefixes
-    from parrot_backend.manager.render import TokenCache, plan_and_pieces
+    from parrot_backend.manager.render import TokenCache, render_call
 
     engine = noop_engine()
     tokens = TokenCache(engine.tokenize)
@@ -139,8 +138,7 @@ def decision_path(n_runs: int) -> None:
         for name, call in program.calls.items():
             if not all(v in values for v in call.inputs):
                 continue  # the reduce becomes ready later; counted as deduced only
-            plan, pieces = plan_and_pieces(call, values, tokens)  # as the manager does
-            prefixes = tuple(call_prefixes("noop", call.segments, values, tokens, "t:", pieces))
+            plan, prefixes = render_call(call, values, tokens, "noop", "t:")  # as the manager
             obj = deduction.calls[name]
             group = None if obj.group is None else f"{i}/{obj.group}"
             pending.append(

@@ -279,11 +279,14 @@ def _rank(call: PendingCall, engine: _Load, batched: bool) -> tuple:
 
 def _best(
     call: PendingCall,
-    engines: Iterable[_Load],
+    engines: Sequence[_Load],
     config: PolicyConfig,
     aged: bool,
     batched: bool,
 ) -> _Load | None:
+    if len(engines) == 1:  # (a list of one: the common case of one engine, or a trial)
+        engine = engines[0]
+        return engine if _fits(call, engine, config, aged, batched) else None
     fitting = [e for e in engines if _fits(call, e, config, aged, batched)]
     if len(fitting) < 2:  # nothing to rank
         return fitting[0] if fitting else None

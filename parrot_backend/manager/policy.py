@@ -279,12 +279,12 @@ def _rank(call: PendingCall, engine: _Load, batched: bool) -> tuple:
 
 def _best(
     call: PendingCall,
-    engines: Sequence[_Load],
+    engines: Iterable[_Load],
     config: PolicyConfig,
     aged: bool,
     batched: bool,
 ) -> _Load | None:
-    if len(engines) == 1:  # (a list of one: the common case of one engine, or a trial)
+    if type(engines) is list and len(engines) == 1:  # one engine, or a group's trial
         engine = engines[0]
         return engine if _fits(call, engine, config, aged, batched) else None
     fitting = [e for e in engines if _fits(call, e, config, aged, batched)]

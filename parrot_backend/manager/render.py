@@ -132,6 +132,9 @@ _CACHE_SIZE = 4096
 # cached; model and tokenizer are checked on use). At most _CACHE_SIZE recipes in all.
 _RECIPES: dict[int, dict[str | bytes | None, _Recipe]] = {}
 _N_RECIPES = 0
+# id(segments) -> segments rendered once without a recipe: a recipe costs several renders
+# to make, so it is made on a template's second call (one-off templates never pay for it)
+_SEEN: dict[int, tuple[Segment, ...]] = {}
 # Prefix is a named tuple: tuple.__new__ makes an equal one without its Python-level
 # __new__ (Prefix has no defaults to miss).
 _NEW_TUPLE = tuple.__new__
@@ -224,7 +227,13 @@ def render_call(
         by_salt = _RECIPES.get(id(segments))
         r = None if by_salt is None else by_salt.get(salt)
         if r is None or r.segments is not segments or r.ref() is not tokens or r.model != model:
-            r = _compile(segments, tokens, model, salt)
+            if _SEEN.get(id(segments)) is not segments:  # the first call: no recipe yet
+                if len(_SEEN) >= _CACHE_SIZE:
+                    _SEEN.clear()
+                _SEEN[id(segments)] = segments
+                r = None
+            else:
+                r = _compile(segments, tokens, model, salt)
         if r is not None:
             return _render(r, call, values, tokens)
     except Exception:  # the reference path below raises it again (or gives the result)

@@ -128,14 +128,7 @@ class CallRunner:
     ) -> _Ctx:
         fork = more and bool(step.config.stop)
         target = cur.child() if fork else cur
-        if not target.owned:  # the runner frees what it owns
-            target.owned = True
-            self.owned.append(target)
-        if target.created:
-            parent = salt = None  # exists: no parent, and its salt was given at creation
-        else:
-            parent = target.parent
-            salt = self.salt if parent is None else None  # a fork inherits its parent's
+        parent, salt = self._request(target)
         stream = self.engine.generate(
             target.id, parent, sampling_of(step.config), salt=salt, **self.kwargs
         )
@@ -163,18 +156,22 @@ class CallRunner:
         caller's own: plans and cached tokens are shared and must not reach the engine)."""
         if not tokens:
             return  # an uncreated context stays lazy: the next request forks it
-        if not ctx.owned:  # the runner frees what it owns
-            ctx.owned = True
-            self.owned.append(ctx)
-        if ctx.created:
-            parent = salt = None  # exists: no parent, and its salt was given at creation
-        else:
-            parent = ctx.parent
-            salt = self.salt if parent is None else None  # a fork inherits its parent's
+        parent, salt = self._request(ctx)
         await self.engine.fill(
             ctx.id, parent, list(tokens) if copy else tokens, salt=salt, **self.kwargs
         )
         ctx.created = True
+
+    def _request(self, ctx: _Ctx) -> tuple[Hashable | None, str | None]:
+        """The parent and salt of a request to `ctx`; the runner owns `ctx` from then on
+        (it frees what it owns)."""
+        if not ctx.owned:
+            ctx.owned = True
+            self.owned.append(ctx)
+        if ctx.created:
+            return None, None  # it exists: no parent, and its salt was given at creation
+        # a new context: forked from its parent (whose salt it inherits), or salted
+        return ctx.parent, self.salt if ctx.parent is None else None
 
     async def free(self) -> None:
         """Free the contexts this call created, newest (children) first."""

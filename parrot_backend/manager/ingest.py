@@ -35,8 +35,10 @@ class CallBuilder:
         self._segments: OrderedDict[str, tuple[tuple[Segment, ...], frozenset[str]]] = OrderedDict()
         self._plain: OrderedDict[tuple[str, str], Call] = OrderedDict()  # default configs
         # closed programs whose calls all take default configs, by (public, names+templates)
+        # ... with the JSON form and the set of the program's inputs
         self._programs: OrderedDict[
-            tuple[bool, tuple[tuple[str | None, str], ...]], tuple[Program, dict[str, Any]]
+            tuple[bool, tuple[tuple[str | None, str], ...]],
+            tuple[Program, dict[str, Any], frozenset[str]],
         ] = OrderedDict()
 
     def call(self, spec: CallSpec, index: int) -> Call:
@@ -92,13 +94,18 @@ class CallBuilder:
             hit = self._programs.get(key)
             if hit is not None:
                 self._programs.move_to_end(key)
-                hit[0].check_run(spec.inputs, spec.outputs, closed=True)
-                return hit
+                program, dumped, inputs = hit
+                # what check_run accepts: exactly the program's inputs given, and outputs
+                # it has (it is asked only when not, for its error message)
+                variables = program.variables
+                if spec.inputs.keys() != inputs or not all(o in variables for o in spec.outputs):
+                    program.check_run(spec.inputs, spec.outputs, closed=True)
+                return program, dumped
         program = Program(self.calls(specs), public=spec.program.public)
         program.check_run(spec.inputs, spec.outputs, closed=not spec.open)
-        built = program, spec.program.model_dump(mode="json")
+        dumped = spec.program.model_dump(mode="json")
         if key is not None:  # cached only once checked: a bad run's program is not kept
-            self._programs[key] = built
+            self._programs[key] = program, dumped, frozenset(program.inputs)
             if len(self._programs) > self._size:
                 self._programs.popitem(last=False)
-        return built
+        return program, dumped

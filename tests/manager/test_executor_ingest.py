@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from parrot_backend.manager.ingest import CallBuilder
@@ -132,3 +134,28 @@ def test_program_json_equals_the_specs_dump_and_is_shared_with_the_program() -> 
         assert program is builder.build(spec)[0] or spec.open or spec.program.calls[0].outputs
     first, again = builder.build(_run({"q": "1"})), builder.build(_run({"q": "9"}))
     assert again[1] is first[1]  # one JSON form per workflow, as one program
+
+
+@pytest.mark.parametrize(
+    "inputs, outputs",
+    [
+        ({}, {}),  # an input missing
+        ({"q": "1", "zz": "2"}, {}),  # an unknown input
+        ({"q": "1", "x": "2"}, {}),  # a generated variable given as an input
+        ({"q": "1"}, {"nope": "latency"}),  # an unknown output
+        ({"q": "1"}, {"y": "latency"}),  # fine
+    ],
+)
+def test_a_shared_program_checks_each_run_as_a_fresh_build(
+    inputs: dict[str, str], outputs: dict[str, str]
+) -> None:
+    builder = CallBuilder()
+    builder.program(_run({"q": "0"}))  # cached
+    spec = _run(inputs).model_copy(update={"outputs": outputs})
+    try:
+        spec.build()
+    except ProgramError as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            builder.program(spec)
+    else:
+        assert builder.program(spec) is builder.program(_run({"q": "0"}))

@@ -169,13 +169,11 @@ class Manager:
         self._pending_latency = 0  # calls in `_pending` whose objective is latency
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Start the dispatcher on the running loop."""
         if self._dispatcher is None:
-            self._loop = asyncio.get_running_loop()
             self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="parrot-dispatch")
 
     async def stop(self) -> None:
@@ -532,7 +530,7 @@ class Manager:
         await self._maybe_finish(run)
 
     async def _maybe_finish(self, run: Run) -> None:
-        if run.open or run.state != "running" or not run.all_calls_done():
+        if not run.can_finish():
             return
         status = "failed" if any(c.state == "failed" for c in run.calls.values()) else "finished"
         await self._emit(run, "run_finished", {"status": status})
@@ -582,8 +580,7 @@ class Manager:
         cap = self.config.policy.max_batch
         slots = sum(cap - self._load[eid].batch if st else 0 for eid, st in stats.items())
         ready = self._window(max(0, slots))
-        if any(r.plan is None for r in ready):
-            ready = await self._render(ready)
+        ready = await self._render(ready)
         statics = {r.static_key for r in ready if r.static_key is not None}
         shared = shareable(
             (r.prefixes for r in ready),
@@ -754,8 +751,7 @@ class Manager:
         load.batch += 1
         load.tokens += r.plan.n_tokens
         load.latency += counted_latency
-        # on the manager's loop (the dispatcher's): its create_task, without the lookup
-        task = self._loop.create_task(self._run_call(r, engine_id, objective, group))
+        task = asyncio.create_task(self._run_call(r, engine_id, objective, group))
         r.run.tasks[r.name] = task
 
         def done(_: asyncio.Task[None]) -> None:
@@ -851,8 +847,8 @@ class Manager:
                 else:
                     run.log.append("call_finished", {"call": name})
                 run.calls[name].state = "finished"
-                if not run.open and run.state == "running" and run.all_calls_done():
-                    await self._maybe_finish(run)  # it checks again: the same test
+                if run.can_finish():  # (without a coroutine when it cannot)
+                    await self._maybe_finish(run)
                 return
         except Exception as exc:  # e.g. a listener that cannot record the end
             error = f"{type(exc).__name__}: {exc}"

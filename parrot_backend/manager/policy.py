@@ -222,17 +222,18 @@ def _units(pending: Iterable[PendingCall], now: float, config: PolicyConfig) -> 
             singles.append(call)
         else:
             groups.setdefault(call.group, []).append(call)
-    aging = config.aging_s
-    units = [
-        _Unit([c], now - c.enqueued_at > aging, c.objective == "latency", c.enqueued_at)
-        for c in singles
-    ]  # what `_unit([c], ...)` gives, without its min and any
+    units = [_unit([c], now, config) for c in singles]
     units += [_unit(sorted(m, key=lambda c: c.call_id), now, config) for m in groups.values()]
     units.sort(key=lambda u: (not u.aged, not u.latency, u.since, u.calls[0].call_id))
     return units
 
 
 def _unit(calls: list[PendingCall], now: float, config: PolicyConfig) -> _Unit:
+    if len(calls) == 1:  # most units: no generators for the min and the any
+        c = calls[0]
+        return _Unit(
+            calls, now - c.enqueued_at > config.aging_s, c.objective == "latency", c.enqueued_at
+        )
     since = min(c.enqueued_at for c in calls)
     latency = any(c.objective == "latency" for c in calls)
     return _Unit(calls, now - since > config.aging_s, latency, since)
@@ -284,9 +285,6 @@ def _best(
     aged: bool,
     batched: bool,
 ) -> _Load | None:
-    if type(engines) is list and len(engines) == 1:  # one engine, or a group's trial
-        engine = engines[0]
-        return engine if _fits(call, engine, config, aged, batched) else None
     fitting = [e for e in engines if _fits(call, e, config, aged, batched)]
     if len(fitting) < 2:  # nothing to rank
         return fitting[0] if fitting else None

@@ -165,6 +165,11 @@ class Run:
                 return False
         return True
 
+    def can_finish(self) -> bool:
+        """Whether the run should end now: closed, still running, and no call can still
+        change a variable."""
+        return not self.open and self.state == "running" and self.all_calls_done()
+
     def status(self) -> RunStatus:
         """A snapshot (copies, safe to hand out)."""
         pending = [

@@ -625,8 +625,7 @@ class Manager:
                 if prefixes and prefixes[0].n_segments == 1 and isinstance(call.segments[0], Text):
                     r.static_key = prefixes[0].key
             out.append(r)
-        for r, error in failed:
-            self._unqueue(r.run, r.name)
+        for r, error in failed:  # (_fail_calls takes each off the queue)
             await self._fail_calls(r.run, {r.name: f"rendering the call failed: {error}"})
         return out
 

@@ -344,9 +344,7 @@ def _compile(
     if _N_RECIPES >= _CACHE_SIZE:
         _RECIPES.clear()
         _N_RECIPES = 0
-    by_salt = _RECIPES.get(id(segments))
-    if by_salt is None or next(iter(by_salt.values())).segments is not segments:
-        by_salt = _RECIPES[id(segments)] = {}  # (the second test cannot fail: see _RECIPES)
+    by_salt = _RECIPES.setdefault(id(segments), {})  # its recipes hold these segments
     if salt not in by_salt:
         _N_RECIPES += 1
     by_salt[salt] = r  # replaces one of another model or tokenizer

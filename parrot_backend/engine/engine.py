@@ -16,14 +16,22 @@ from .attention import make_backend
 from .block_pool import BlockPool
 from .context import Context, Request
 from .detokenizer import Detokenizer
-from .errors import ContextBusy, ContextNotFound, EngineError, InvalidRequest, RequestCancelled
+from .errors import (
+    ContextBusy,
+    ContextNotFound,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    RequestCancelled,
+    StepFailed,
+)
 from .interface import EngineStats, TokenDelta
 from .model_files import DEFAULT_MODEL, resolve_model
 from .models.loader import load_config, load_model
-from .runner import ModelRunner
+from .runner import ModelRunner, StepResult
 from .sampler import Sampler
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, Work
 from .tokens import decode_tokens, encode_segment
 
 log = logging.getLogger(__name__)
@@ -385,7 +393,7 @@ class Engine:
     # ----------------------------------------------------------------- internals
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineError(f"engine failed: {self.error!r}")
+            raise EngineDead(f"engine failed: {self.error!r}")
         if self._task is None:
             raise EngineError("engine not started: await engine.start() first")
 
@@ -449,7 +457,7 @@ class Engine:
         if req in req.ctx.queue:
             req.ctx.queue.remove(req)
         if req.future is not None and not req.future.done():
-            req.future.set_exception(RequestCancelled("fill cancelled"))
+            req.future.cancel()  # its caller was cancelled: nobody waits for an error
         self._wake.set()
 
     def _finish(self, req: Request) -> None:
@@ -485,21 +493,67 @@ class Engine:
                     continue
                 if self._fail_at_step is not None and self.steps >= self._fail_at_step:
                     raise RuntimeError(f"injected fault at step {self.steps}")
-                sampled = await asyncio.get_running_loop().run_in_executor(
-                    compute_executor(), self.runner.execute, work
-                )
-                self._postprocess(work, sampled)
-        except Exception as exc:  # a bug or a device failure: fail everything, loudly
+                self._postprocess(work, await self._step(work))
+        except Exception as exc:  # a device failure or a bug: no request is at fault
             log.exception("engine loop died")
             self.error = exc
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._fail(req, EngineError(f"engine failed: {exc!r}"))
+                self._fail(req, EngineDead(f"engine failed: {exc!r}"))
 
-    def _postprocess(self, work, sampled: list[int | None]) -> None:
+    async def _step(self, work: list[Work]) -> list[StepResult]:
+        """Compute one step; returns each sequence's token, error or nothing.
+
+        The step's inputs are copied out of the contexts before it runs (`prepare`), so a
+        context freed or cancelled while it runs changes nothing it computes. A forward
+        pass that fails is retried one sequence at a time: a request that breaks it fails
+        alone (`StepFailed`) and the others go on. When every sequence fails alone too,
+        a probe of the device decides: if the device is broken the loop dies (requests
+        end with `EngineDead` and the manager keeps their calls), else the requests fail.
+        """
+        loop = asyncio.get_running_loop()
+        runner = self.runner
+        try:
+            return await loop.run_in_executor(compute_executor(), runner.execute,
+                                              runner.prepare(work))
+        except Exception as exc:
+            log.warning("a step of %d sequence(s) failed (%r); retrying them one by one",
+                        len(work), exc)
+            error: BaseException = exc
+        results: list[StepResult] = []
+        for w in work:
+            if w.req.done or w.req.ctx.freed:  # cancelled or freed meanwhile: nothing to do
+                results.append(None)
+                continue
+            try:
+                results.extend(await loop.run_in_executor(
+                    compute_executor(), runner.execute, runner.prepare([w])))
+            except Exception as exc:
+                error = exc
+                results.append(StepFailed(f"computing this request failed: {exc!r}"))
+        if all(isinstance(r, BaseException) for r in results):
+            await loop.run_in_executor(compute_executor(), self._probe_device)
+        return results
+
+    def _probe_device(self) -> None:
+        """Raise if the device itself is broken (a CUDA error poisons every later op)."""
+        x = torch.ones(8, device=self.device, dtype=self.dtype)
+        if float((x * 2).sum().item()) != 16.0:
+            raise EngineError("device probe computed a wrong result")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _postprocess(self, work: list[Work], sampled: list[StepResult]) -> None:
         self.steps += 1
         bs = self.pool.block_size
         for w, token in zip(work, sampled, strict=True):
             req, ctx = w.req, w.req.ctx
+            if isinstance(token, BaseException):
+                # this request's computation failed (the step ran without it): its KV is
+                # not trusted, so nothing is marked computed
+                if not isinstance(token, EngineError):
+                    token = StepFailed(f"sampling this request failed: {token!r}")
+                self._fail(req, token)
+                continue
             self.tokens_computed += w.n
             if ctx.freed:
                 continue

@@ -39,6 +39,17 @@ class EngineUnavailable(EngineError):
     manager takes it out of service and dispatches its calls elsewhere."""
 
 
+class EngineDead(EngineUnavailable):
+    """The in-process engine's loop died (a device failure or a bug): nothing it was
+    running is the request's fault, so the manager keeps those calls for another engine
+    or for the next start of the server instead of failing them."""
+
+
+class StepFailed(EngineError):
+    """Computing this request failed while the engine went on serving others: its step
+    failed again with this request alone in it (see `Engine._step`)."""
+
+
 # The engine API's status for each error (the class name travels as the error `type`);
 # the server side (server/engine_api.py) and the client side (engine/remote.py) share it.
 HTTP_STATUS: dict[type[EngineError], int] = {
@@ -47,4 +58,5 @@ HTTP_STATUS: dict[type[EngineError], int] = {
     ContextBusy: 409,
     OutOfMemory: 507,
     RequestCancelled: 503,
+    StepFailed: 500,
 }

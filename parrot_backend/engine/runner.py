@@ -1,11 +1,38 @@
-"""Runs one scheduled step on the model: builds the flat batch, forwards, samples."""
+"""Runs one scheduled step on the model: builds the flat batch, forwards, samples.
+
+A step is prepared on the engine's event loop (`prepare`: a `Batch` of plain copies of
+the token ids, positions, slots and block tables it needs) and computed on the compute
+thread (`execute`). The compute thread never reads a `Context`: a task that frees a
+context, cancels its request or fills more tokens into it while the step runs changes
+nothing the step uses. Freed blocks go back to the pool at once, but blocks are only
+handed out again by the scheduler, which plans the next step after this one ends.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata, find_prefix_groups
+from .sampler import Sampler
 from .scheduler import Work
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step's inputs, copied from the contexts before the step runs."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    samplers: list[Sampler | None]  # per sequence: who samples its next token, if any
+
+
+StepResult = int | BaseException | None  # a token, the error of this row, or no token
 
 
 class ModelRunner:
@@ -54,66 +81,86 @@ class ModelRunner:
         self.pending_copies.append((src, dst))
 
     def _flush_copies(self) -> None:
-        for src, dst in self.pending_copies:  # in order: a freed source may be a later dst
+        # taken before copying: a step that fails half-way must not replay the list (a
+        # freed source may be a later destination, so a replay would copy new contents)
+        copies, self.pending_copies = self.pending_copies, []
+        for src, dst in copies:  # in order: a freed source may be a later dst
             for k, v in self.kv_caches:
                 k[dst].copy_(k[src])
                 v[dst].copy_(v[src])
-        self.pending_copies.clear()
 
-    def build(self, work: list[Work]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        self._flush_copies()
+    def prepare(self, work: list[Work]) -> Batch:
+        """Copy what the step needs out of the contexts (on the engine loop, torch-free)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        width = max(len(w.req.ctx.blocks) for w in work)
-        tables = torch.zeros((len(work), width), dtype=torch.int32)
-        for i, w in enumerate(work):
+        tables: list[list[int]] = []
+        samplers: list[Sampler | None] = []
+        for w in work:
             ctx = w.req.ctx
             end = w.start + w.n
             ids.extend(ctx.tokens[w.start : end])
             positions.extend(range(w.start, end))
-            blocks = ctx.blocks
+            blocks = list(ctx.blocks)
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(w.start, end))
             starts.append(starts[-1] + w.n)
             seq_lens.append(end)
-            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            tables.append(blocks)
+            samplers.append(w.req.sampler if w.samples else None)
+        return Batch(ids, positions, slots, starts, seq_lens, tables, samplers)
+
+    def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        self._flush_copies()
+        width = max(len(t) for t in batch.tables)
+        # padded with block 0: slots past a sequence's length are masked by seq_lens
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.tables],
+                              dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start=starts,
-            seq_lens=seq_lens,
+            slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=dev),
+            query_start=batch.query_start,
+            seq_lens=batch.seq_lens,
             block_tables=tables.to(dev),
-            block_size=bs,
+            block_size=self.block_size,
         )
-        if self.backend.groups_prefixes and any(w.n == 1 for w in work):
+        if self.backend.groups_prefixes and any(
+            batch.query_start[i + 1] - batch.query_start[i] == 1
+            for i in range(len(batch.seq_lens))
+        ):
             meta.prefix_groups = find_prefix_groups(meta, self.backend.share_prefix)
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(batch.ids, dtype=torch.long, device=dev),
+            torch.tensor(batch.positions, dtype=torch.long, device=dev),
             meta,
         )
 
     @torch.inference_mode()
-    def execute(self, work: list[Work]) -> list[int | None]:
-        """Compute KV for every work item; sample a token for those that reach their end."""
-        ids, positions, meta = self.build(work)
+    def execute(self, batch: Batch) -> list[StepResult]:
+        """Compute KV for every sequence; sample a token for those that reach their end.
+
+        A sampler that fails fails its own row only (its error is that row's result); a
+        failing forward pass raises (the engine then retries the rows one by one)."""
+        ids, positions, meta = self._tensors(batch)
         hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
-        rows = [meta.query_start[i + 1] - 1 for i, w in enumerate(work) if w.samples]
-        out: list[int | None] = [None] * len(work)
+        rows = [batch.query_start[i + 1] - 1 for i, s in enumerate(batch.samplers) if s]
+        out: list[StepResult] = [None] * len(batch.samplers)
         if rows:
             logits = self.model.logits(hidden[rows])
             k = 0
-            for i, w in enumerate(work):
-                if w.samples:
-                    out[i] = w.req.sampler(logits[k])
+            for i, sampler in enumerate(batch.samplers):
+                if sampler is not None:
+                    try:
+                        out[i] = sampler(logits[k])
+                    except Exception as exc:  # this request's sampling, not the step
+                        out[i] = exc
                     k += 1
         return out
 
     @torch.inference_mode()
     def logits_for(self, work: list[Work]) -> torch.Tensor:
         """All-position logits of one step (tests compare them with transformers)."""
-        ids, positions, meta = self.build(work)
+        ids, positions, meta = self._tensors(self.prepare(work))
         return self.model.logits(self.model(ids, positions, self.kv_caches, meta, self.backend))

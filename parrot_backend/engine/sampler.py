@@ -1,10 +1,19 @@
-"""The per-request sampler: picks the next token from a logits row."""
+"""The per-request sampler: picks the next token from a logits row.
+
+Every finite, in-range setting yields a valid token (no NaN or infinity reaches
+`torch.multinomial`): temperatures below `SamplingParams.GREEDY_BELOW` decode greedily
+(dividing float32 logits by them overflows), temperatures above `MAX_TEMPERATURE` are
+clamped to it (the distribution is uniform long before), and top-p always keeps the most
+likely token (a tiny top-p such as 1e-300 rounds to 0 in float32).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from .sampling import SamplingParams
+
+MAX_TEMPERATURE = 1e4
 
 
 class Sampler:
@@ -25,7 +34,7 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits).item())
-        logits = logits.float() / p.temperature
+        logits = logits.float() / min(p.temperature, MAX_TEMPERATURE)
         if p.top_k and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -33,8 +42,12 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)
-            # keep the smallest set whose mass reaches top_p (always at least one token)
+            # keep the smallest set whose mass reaches top_p, and always the first token
             drop = cumulative - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            # logits that were not finite to begin with (a broken model): greedy
+            return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
         return int(torch.multinomial(probs, 1, generator=self.generator).item())

@@ -12,7 +12,10 @@ MAX_TOP_K = 1_000_000
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens for one generation. `temperature == 0` means greedy."""
+    """How to pick tokens for one generation. `temperature == 0` means greedy, and so does
+    any temperature below `GREEDY_BELOW` (dividing logits by it would overflow float32)."""
+
+    GREEDY_BELOW = 1e-5
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -64,4 +67,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < self.GREEDY_BELOW

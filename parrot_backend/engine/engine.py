@@ -518,7 +518,6 @@ class Engine:
         except Exception as exc:
             log.warning("a step of %d sequence(s) failed (%r); retrying them one by one",
                         len(work), exc)
-            error: BaseException = exc
         results: list[StepResult] = []
         for w in work:
             if w.req.done or w.req.ctx.freed:  # cancelled or freed meanwhile: nothing to do
@@ -528,7 +527,6 @@ class Engine:
                 results.extend(await loop.run_in_executor(
                     compute_executor(), runner.execute, runner.prepare([w])))
             except Exception as exc:
-                error = exc
                 results.append(StepFailed(f"computing this request failed: {exc!r}"))
         if all(isinstance(r, BaseException) for r in results):
             await loop.run_in_executor(compute_executor(), self._probe_device)

@@ -38,7 +38,8 @@ def _free_port() -> int:
 class Serve:
     """`python -m parrot_backend.cli serve` on a port, with a data dir or a database URL."""
 
-    def __init__(self, model_dir, data_dir, database_url: str | None) -> None:
+    def __init__(self, model_dir, data_dir, database_url: str | None,
+                 env: dict[str, str] | None = None) -> None:
         self.cmd = [sys.executable, "-m", "parrot_backend.cli", "serve", "--model",
                     str(model_dir), "--num-blocks", "256", "--data-dir", str(data_dir),
                     "--worker-id", "recovery-test"]
@@ -46,13 +47,14 @@ class Serve:
             self.cmd += ["--database-url", database_url]
         self.proc: subprocess.Popen | None = None
         self.log = data_dir / "serve.log"
+        self.env = {**os.environ, **(env or {})}
 
     def start(self) -> str:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         with self.log.open("a") as log:
             self.proc = subprocess.Popen([*self.cmd, "--port", str(port)], stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -204,5 +206,54 @@ def test_sigkill_mid_run_resumes_on_postgresql(tiny_model_dir, tmp_path, pg_data
     serve = Serve(tiny_model_dir, tmp_path, pg_database)
     try:
         crash_and_resume(serve, kills=2)
+    finally:
+        serve.stop()
+
+
+def engine_dies_and_resumes(serve: Serve) -> None:
+    """The engine's loop dies mid-run (injected fault): `serve` exits 1 and fails no call;
+    the next start resumes the run, which finishes with an uninterrupted run's outputs."""
+    url = serve.start()
+    run_id = httpx.post(f"{url}/v1/runs", json=chain_spec(), timeout=30).json()["run_id"]
+    assert serve.proc is not None
+    code = serve.proc.wait(120)
+    assert code == 1, serve.log.read_text()[-3000:]
+    serve.env.pop("PARROT_FAULT_ENGINE_STEP")
+    url = serve.start()
+    final = httpx.get(f"{url}/v1/runs/{run_id}/variables/x{N_CALLS}",
+                      params={"timeout": 120}, timeout=130)
+    assert final.status_code == 200, final.text
+    events = read_events(url, run_id, None, 60)
+    kinds = [e["event"] for e in events]
+    assert "call_failed" not in kinds and "variable_failed" not in kinds
+    assert kinds.count("run_resumed") == 1 and kinds[-1] == "run_finished"
+    d = detail(url, run_id)
+    assert d["run"]["status"] == "done"
+    ref = httpx.post(f"{url}/v1/runs/{run_id}/replay", json={}, timeout=30).json()["run_id"]
+    httpx.get(f"{url}/v1/runs/{ref}/variables/x{N_CALLS}", params={"timeout": 120},
+              timeout=130)
+    read_events(url, ref, None, 60)
+    expected = {n: v for n, (v, _) in ready(detail(url, ref)).items()}
+    assert {n: v for n, (v, _) in ready(d).items()} == expected
+    assert len(expected) == N_CALLS
+
+
+def test_an_engine_death_fails_no_run_and_the_next_start_resumes_it(tiny_model_dir,
+                                                                     tmp_path) -> None:
+    # about 64 steps per call: the loop dies during the third call
+    serve = Serve(tiny_model_dir, tmp_path, None, env={"PARROT_FAULT_ENGINE_STEP": "150"})
+    try:
+        engine_dies_and_resumes(serve)
+    finally:
+        serve.stop()
+
+
+@pytest.mark.postgres
+def test_an_engine_death_fails_no_run_on_postgresql(tiny_model_dir, tmp_path,
+                                                    pg_database) -> None:
+    serve = Serve(tiny_model_dir, tmp_path, pg_database,
+                  env={"PARROT_FAULT_ENGINE_STEP": "150"})
+    try:
+        engine_dies_and_resumes(serve)
     finally:
         serve.stop()

@@ -103,7 +103,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.gc_threshold is not None and args.gc_threshold < 0:
         print(f"error: --gc-threshold must be >= 0, got {args.gc_threshold}", file=sys.stderr)
         return 2
-    keys = {k: f"tenant-{i}" for i, k in enumerate(args.api_key or [])}
+    from parrot_backend.server.auth import parse_api_keys
+
+    try:
+        # a key's tenant comes from the key (or its TENANT= name), never from its position
+        keys = parse_api_keys(args.api_key or [])
+    except ValueError as exc:
+        print(f"error: --api-key: {exc}", file=sys.stderr)
+        return 2
     # the store's keys count whenever auth is on; it is on with keys, on demand, off loopback
     auth = bool(keys) or args.auth or not is_loopback(args.host)
     try:
@@ -195,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", action="append",
-                   help="accept this Bearer key (repeatable); required off loopback")
+    s.add_argument("--api-key", action="append", metavar="[TENANT=]KEY",
+                   help="accept this Bearer key (repeatable; required off loopback). "
+                        "TENANT=KEY names its tenant (keys may share one); a bare KEY's "
+                        "tenant is key-<first 16 hex digits of its SHA-256>")
     s.add_argument("--auth", action="store_true",
                    help="require API keys (static --api-key or the store's tenant keys) "
                         "even on loopback")

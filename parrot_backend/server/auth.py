@@ -10,6 +10,8 @@ import hashlib
 import hmac
 import inspect
 import json
+import re
+from collections.abc import Iterable
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -22,6 +24,36 @@ OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", 
 # what protects them, so the tenant middleware lets them through to that check
 OPERATOR_PREFIX = "/v1/engines"
 LOCAL_TENANT = "local"  # the tenant of every request when auth is off (loopback only)
+
+
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a static key given without a name: derived from the key itself, so
+    it stays the same across restarts whatever the order or number of keys."""
+    return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def parse_api_keys(values: Iterable[str]) -> dict[str, str]:
+    """`--api-key` values -> {key: tenant}. `TENANT=KEY` names the tenant (several keys
+    may share one: key rotation); a bare `KEY` gets `key_tenant(KEY)`. A value is read as
+    `TENANT=KEY` when the text before its first `=` is a tenant name (1-64 letters,
+    digits, `_ . -`), so a bare key containing `=` must be given with its tenant.
+    Raises ValueError for an empty key or a key given for two tenants."""
+    keys: dict[str, str] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if sep and rest and _TENANT_NAME.fullmatch(name):
+            tenant, key = name, rest
+        else:
+            tenant, key = key_tenant(value), value
+        if not key.strip():
+            raise ValueError("an API key must not be empty")
+        if keys.get(key, tenant) != tenant:
+            raise ValueError(f"one API key is given for two tenants ({keys[key]!r}, {tenant!r})")
+        keys[key] = tenant
+    return keys
 
 
 def _digest(key: str) -> bytes:

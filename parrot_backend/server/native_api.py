@@ -22,8 +22,10 @@ from .native_schemas import (
     AddCallsRequest,
     CallsAdded,
     CallView,
+    NamePath,
     RunCreated,
     RunDetailView,
+    RunIdPath,
     RunList,
     RunSummary,
     SetVariableRequest,
@@ -104,7 +106,7 @@ async def list_runs(
 
 
 @router.get("/runs/{run_id}", response_model=RunDetailView)
-async def get_run(run_id: str, rt: RuntimeDep, tenant: TenantDep) -> RunDetailView:
+async def get_run(run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep) -> RunDetailView:
     """A run with its DAG, variables, objectives, task groups and call timings."""
     tenant_id = await rt.tenant_id(tenant)
     try:
@@ -115,7 +117,7 @@ async def get_run(run_id: str, rt: RuntimeDep, tenant: TenantDep) -> RunDetailVi
 
 
 @router.post("/runs/{run_id}/calls", response_model=CallsAdded)
-async def add_calls(run_id: str, body: AddCallsRequest, rt: RuntimeDep,
+async def add_calls(run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep,
                     tenant: TenantDep) -> CallsAdded:
     """Add calls to an open run; they start as soon as their inputs have values."""
     await owned(rt, tenant, run_id)
@@ -127,8 +129,8 @@ async def add_calls(run_id: str, body: AddCallsRequest, rt: RuntimeDep,
 
 
 @router.put("/runs/{run_id}/variables/{name}", response_model=VariableView)
-async def set_variable(run_id: str, name: str, body: SetVariableRequest, rt: RuntimeDep,
-                       tenant: TenantDep) -> VariableView:
+async def set_variable(run_id: RunIdPath, name: NamePath, body: SetVariableRequest,
+                       rt: RuntimeDep, tenant: TenantDep) -> VariableView:
     """Give an input variable of an open run its value (once: a second value is a 409)."""
     await owned(rt, tenant, run_id)
     if not rt.live(tenant, run_id):
@@ -149,7 +151,7 @@ async def set_variable(run_id: str, name: str, body: SetVariableRequest, rt: Run
 
 
 @router.post("/runs/{run_id}/close", response_model=RunSummary)
-async def close_run(run_id: str, rt: RuntimeDep, tenant: TenantDep) -> RunSummary:
+async def close_run(run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep) -> RunSummary:
     """Close an open run: no more calls or inputs; every input must have a value."""
     await owned(rt, tenant, run_id)
     if not rt.live(tenant, run_id):
@@ -177,7 +179,7 @@ STORE_POLL_S = 0.2  # how often a server polls the store for a run another serve
 @router.get("/runs/{run_id}/variables/{name}", response_model=VariableView,
             responses={408: {"description": "not ready within `timeout`; ask again"}})
 async def get_variable(
-    run_id: str, name: str, rt: RuntimeDep, tenant: TenantDep,
+    run_id: RunIdPath, name: NamePath, rt: RuntimeDep, tenant: TenantDep,
     perf: Literal["latency", "throughput"] = "latency",
     timeout: Annotated[float, Query(ge=0, le=MAX_POLL_S)] = 30.0,
 ) -> VariableView:
@@ -222,7 +224,7 @@ async def get_variable(
 
 
 @router.post("/runs/{run_id}/cancel", response_model=RunSummary)
-async def cancel_run(run_id: str, rt: RuntimeDep, tenant: TenantDep) -> RunSummary:
+async def cancel_run(run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep) -> RunSummary:
     """Stop a run: its calls stop and their engine contexts are freed. A finished run is
     left as it is."""
     await owned(rt, tenant, run_id)

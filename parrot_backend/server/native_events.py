@@ -25,7 +25,7 @@ from parrot_backend.store import EventRecord
 
 from .errors import APIError
 from .native_api import RuntimeDep, TenantDep, owned
-from .native_schemas import SQL_INT_MAX
+from .native_schemas import SQL_INT_MAX, RunIdPath
 from .runtime import NativeRuntime
 from .state import StateDep
 
@@ -94,7 +94,7 @@ async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
 
 @router.get("/runs/{run_id}/events", responses=_DOC)
 async def run_events(
-    run_id: str, rt: RuntimeDep, tenant: TenantDep, state: StateDep,
+    run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep, state: StateDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
     after: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX,
                                        description="same as Last-Event-ID")] = None,

@@ -6,15 +6,38 @@ of `POST /v1/runs` as it is. Responses are plain views of the store's records.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from fastapi import Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from parrot_backend.program import CallSpec, Criterion, ProgramSpec
 from parrot_backend.program.template import NAME_PATTERN
+from parrot_backend.program.text import MAX_NAME_LENGTH, StorableModel
 
-WorkflowName = Field(pattern=f"^{NAME_PATTERN}$", max_length=200)
+from .native_errors import not_found
+
+WorkflowName = Field(pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH)
+
+# Path parameters are checked before they reach a query (a NUL in an id made
+# PostgreSQL's driver raise, a 500): a run id is what the server hands out, so any other
+# id is a run that does not exist (404, as for another tenant's run); names are variable
+# or workflow names (400).
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _run_id(run_id: Annotated[str, Path(description="a run id: 32 lowercase hex digits")]
+            ) -> str:
+    if _RUN_ID.fullmatch(run_id) is None:
+        raise not_found(run_id[:64])
+    return run_id
+
+
+RunIdPath = Annotated[str, Depends(_run_id)]
+NamePath = Annotated[str, Path(pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH,
+                               description="a variable or workflow name")]
 
 # The largest integer SQL BIGINT and SQLite INTEGER hold. Client integers that reach a
 # query (offsets, event seqs, versions) are bounded by it: a larger one made the driver
@@ -22,7 +45,7 @@ WorkflowName = Field(pattern=f"^{NAME_PATTERN}$", max_length=200)
 SQL_INT_MAX = 2**63 - 1
 
 
-class _Strict(BaseModel):
+class _Strict(StorableModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 

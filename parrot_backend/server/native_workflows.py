@@ -21,9 +21,11 @@ from .errors import APIError
 from .native_api import RuntimeDep, TenantDep
 from .native_errors import client_errors, not_found
 from .native_schemas import (
+    NamePath,
     RegisterWorkflowRequest,
     ReplayRequest,
     RunCreated,
+    RunIdPath,
     StartWorkflowRequest,
     WorkflowList,
     WorkflowView,
@@ -69,7 +71,7 @@ async def list_workflows(rt: RuntimeDep, tenant: TenantDep) -> WorkflowList:
 
 
 @router.post("/workflows/{name}/runs", response_model=RunCreated, status_code=201)
-async def start_workflow(name: str, body: StartWorkflowRequest, rt: RuntimeDep,
+async def start_workflow(name: NamePath, body: StartWorkflowRequest, rt: RuntimeDep,
                          tenant: TenantDep) -> RunCreated:
     """Run a stored workflow with inputs."""
     tenant_id = await rt.tenant_id(tenant)
@@ -84,7 +86,7 @@ async def start_workflow(name: str, body: StartWorkflowRequest, rt: RuntimeDep,
 
 
 @router.post("/runs/{run_id}/replay", response_model=RunCreated, status_code=201)
-async def replay_run(run_id: str, body: ReplayRequest, rt: RuntimeDep,
+async def replay_run(run_id: RunIdPath, body: ReplayRequest, rt: RuntimeDep,
                      tenant: TenantDep) -> RunCreated:
     """Run a past run's program again: its inputs, with `inputs` merged over them."""
     tenant_id = await rt.tenant_id(tenant)

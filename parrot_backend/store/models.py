@@ -28,6 +28,7 @@ from parrot_backend.store.columns import (
     VARIABLE_STATUSES,
     JSONType,
     UTCDateTime,
+    ValueText,
     utcnow,
 )
 
@@ -140,7 +141,7 @@ class Variable(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(200))
-    value: Mapped[str | None] = mapped_column(Text, nullable=True)
+    value: Mapped[str | None] = mapped_column(ValueText, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="pending")
     # Index of the producing call within the run; NULL for inputs set by the client.
     producer_call: Mapped[int | None] = mapped_column(Integer, nullable=True)

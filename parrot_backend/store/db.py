@@ -58,7 +58,10 @@ def sqlite_path(url: URL) -> Path | None:
 
 
 def raw_engine(url: URL, **kw: Any) -> Engine:
-    """An engine with no session setup at all: used to inspect a database without changing it."""
+    """An engine with no session setup at all: used to inspect a database without changing it
+    (on SQLite with the store's busy timeout: a writer elsewhere is waited for)."""
+    if url.get_backend_name() == "sqlite":
+        kw.setdefault("connect_args", {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
     try:
         return create_engine(url, poolclass=NullPool, **kw)
     except (NoSuchModuleError, ArgumentError, ImportError) as exc:

@@ -6,6 +6,9 @@ foreign or corrupt file, or a schema newer than this code, raises before any wri
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -144,9 +147,44 @@ def check(url: str | URL) -> SchemaState:
     return state
 
 
+_THREAD_LOCK = threading.Lock()  # flock is per open file: threads of one process wait here
+
+
+@contextlib.contextmanager
+def _sqlite_upgrade_lock(path: Path) -> Iterator[None]:
+    """Serialize schema upgrades of one SQLite file across threads and processes.
+
+    Two servers starting together on a new file raced: one converting it to WAL or
+    migrating while the other inspected it could fail with "database is locked" (the
+    busy handler does not cover every step). The lock file sits beside the database."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _THREAD_LOCK, open(f"{path}.upgrade-lock", "a+b") as fh:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): the busy timeout is all there is
+            yield
+            return
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 def upgrade(url: str | URL) -> SchemaState:
-    """Create or upgrade the schema to the head revision (what the server does at start)."""
+    """Create or upgrade the schema to the head revision (what the server does at start).
+    Concurrent upgrades of one database wait for each other, then find it current."""
     parsed = parse_url(url)
+    path = sqlite_path(parsed)
+    if path is None:
+        return _upgrade(parsed)
+    if path.is_dir():
+        raise DatabaseUrlError(f"database path {str(path)!r} is a directory")
+    with _sqlite_upgrade_lock(path):
+        return _upgrade(parsed)
+
+
+def _upgrade(parsed: URL) -> SchemaState:
     state = inspect_database(parsed)
     _refuse_newer(parsed, state)
     if state.status == "current":

@@ -282,3 +282,20 @@ def test_concurrent_upgrades_sqlite(tmp_path: Path) -> None:
 @pytest.mark.postgres
 def test_concurrent_upgrades_pg(pg_fresh_schema: URL) -> None:
     _concurrent_upgrades(pg_fresh_schema)
+
+
+def _upgrade_in_process(url: str) -> None:
+    upgrade(url)
+
+
+def test_concurrent_upgrades_from_processes_wait_for_each_other_sqlite(tmp_path: Path) -> None:
+    """Servers starting together on a new SQLite file: each upgrade waits for the one in
+    progress (a lock file beside the database), none fails with "database is locked"."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    for round_ in range(2):
+        url = _sqlite_url(tmp_path / f"r{round_}.db")
+        with ctx.Pool(4) as pool:
+            pool.map(_upgrade_in_process, [url] * 4)  # raises if any upgrade raised
+        assert check(url).status == "current"

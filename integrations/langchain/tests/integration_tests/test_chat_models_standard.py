@@ -33,7 +33,7 @@ class TestChatParrotIntegration(ChatModelIntegrationTests):
         # Greedy and bounded: the integration suite adds no parameters of its own, and the
         # server's default budget is the rest of the context (minutes of CPU decoding).
         return {"model": MODEL, "base_url": self.server.url, "api_key": self.server.api_key,
-                "temperature": 0, "max_tokens": 64, "timeout": 120}
+                "temperature": 0, "max_tokens": 32, "timeout": 120}
 
     @property
     def supports_model_override(self) -> bool:

@@ -22,10 +22,21 @@ from .conftest import ParrotServer
 PROMPTS = ["1, 2, 3, 4,", "Monday, Tuesday,", "The capital of France is"]
 
 
+def _llm(server: ParrotServer) -> ParrotLLM:
+    return ParrotLLM(base_url=server.url, api_key=server.api_key, temperature=0,
+                     max_tokens=12, timeout=120)
+
+
 @pytest.fixture
 def llm(parrot_server: ParrotServer) -> ParrotLLM:
-    return ParrotLLM(base_url=parrot_server.url, api_key=parrot_server.api_key,
-                     temperature=0, max_tokens=12, timeout=120)
+    return _llm(parrot_server)
+
+
+@pytest.fixture(scope="module")
+def singles(parrot_server: ParrotServer) -> list[str]:
+    """One plain invoke per prompt: what every other path must reproduce."""
+    model = _llm(parrot_server)
+    return [model.invoke(p) for p in PROMPTS]
 
 
 class Recorder(BaseCallbackHandler):
@@ -56,11 +67,11 @@ class AsyncRecorder(AsyncCallbackHandler):
         self.tokens.append(token)
 
 
-def test_invoke_returns_text_and_generate_reports_usage(llm: ParrotLLM) -> None:
-    text = llm.invoke(PROMPTS[0])
-    assert isinstance(text, str) and text.strip()
+def test_invoke_returns_text_and_generate_reports_usage(llm: ParrotLLM,
+                                                       singles: list[str]) -> None:
+    assert all(isinstance(t, str) and t.strip() for t in singles)
     result = llm.generate([PROMPTS[0]])
-    assert result.generations[0][0].text == text  # greedy: the same both times
+    assert result.generations[0][0].text == singles[0]  # greedy: the same both times
     usage = result.llm_output["token_usage"]
     assert usage["completion_tokens"] >= 1
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -68,35 +79,37 @@ def test_invoke_returns_text_and_generate_reports_usage(llm: ParrotLLM) -> None:
     assert result.generations[0][0].generation_info["finish_reason"] in ("length", "stop")
 
 
-def test_batch_equals_one_invoke_per_prompt_in_order(llm: ParrotLLM) -> None:
-    singles = [llm.invoke(p) for p in PROMPTS]
+def test_batch_equals_one_invoke_per_prompt_in_order(llm: ParrotLLM,
+                                                     singles: list[str]) -> None:
     assert llm.batch(PROMPTS) == singles
     result = llm.generate(PROMPTS)
     assert [g[0].text for g in result.generations] == singles
     assert result.llm_output["token_usage"]["prompt_tokens"] > 3 * 2
 
 
-async def test_abatch_and_ainvoke_equal_the_sync_results(llm: ParrotLLM) -> None:
-    singles = [llm.invoke(p) for p in PROMPTS]
+async def test_abatch_and_ainvoke_equal_the_sync_results(llm: ParrotLLM,
+                                                         singles: list[str]) -> None:
     assert await llm.ainvoke(PROMPTS[0]) == singles[0]
     assert await llm.abatch(PROMPTS) == singles
 
 
-def test_stream_joins_to_the_invoke_text_and_feeds_callbacks(llm: ParrotLLM) -> None:
+def test_stream_joins_to_the_invoke_text_and_feeds_callbacks(llm: ParrotLLM,
+                                                             singles: list[str]) -> None:
     recorder = Recorder()
     pieces = list(llm.stream(PROMPTS[1], config={"callbacks": [recorder]}))
     assert len(pieces) > 2  # token by token, plus the closing empty chunk
-    assert "".join(pieces) == llm.invoke(PROMPTS[1])
+    assert "".join(pieces) == singles[1]
     assert recorder.tokens == pieces
     assert recorder.starts == [[PROMPTS[1]]]
     info = recorder.ends[0].generations[0][0].generation_info
     assert info["model_name"] == llm.model and info["token_usage"]["completion_tokens"] >= 1
 
 
-async def test_astream_joins_to_the_invoke_text_and_feeds_callbacks(llm: ParrotLLM) -> None:
+async def test_astream_joins_to_the_invoke_text_and_feeds_callbacks(
+        llm: ParrotLLM, singles: list[str]) -> None:
     recorder = AsyncRecorder()
     pieces = [p async for p in llm.astream(PROMPTS[1], config={"callbacks": [recorder]})]
-    assert "".join(pieces) == llm.invoke(PROMPTS[1])
+    assert "".join(pieces) == singles[1]
     assert recorder.tokens == pieces
 
 
@@ -107,8 +120,9 @@ def test_generate_with_callbacks_reports_start_and_end_per_prompt(llm: ParrotLLM
     assert len(recorder.ends) == 2
 
 
-def test_stop_cuts_the_text_before_the_stop_sequence(llm: ParrotLLM) -> None:
-    full = llm.invoke(PROMPTS[0])
+def test_stop_cuts_the_text_before_the_stop_sequence(llm: ParrotLLM,
+                                                     singles: list[str]) -> None:
+    full = singles[0]
     stop = full.strip().split()[1]  # a word the greedy continuation does reach
     cut = llm.invoke(PROMPTS[0], stop=[stop])
     assert stop not in cut and full.startswith(cut)

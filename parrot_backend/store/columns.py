@@ -18,7 +18,7 @@ RUN_STATUSES = ("pending", "running", "done", "failed", "cancelled")
 RUN_UNFINISHED = ("pending", "running")
 RUN_FINISHED = ("done", "failed", "cancelled")
 VARIABLE_STATUSES = ("pending", "ready", "failed")
-CALL_STATUSES = ("pending", "claimed", "running", "done", "failed")
+CALL_STATUSES = ("pending", "claimed", "running", "done", "failed", "cancelled")
 CALL_HELD = ("claimed", "running")
 OBJECTIVES = ("latency", "throughput")
 

@@ -132,6 +132,14 @@ _SET_STATUS = (
 )
 
 
+# a cancelled run's calls that had not ended: recorded as cancelled, their claims released
+_CANCEL_CALLS = (
+    update(_CALLS)
+    .where(_CALLS.c.run_id == bindparam("rid"),
+           _CALLS.c.status.in_(("pending", *CALL_HELD)))
+    .values(status="cancelled", finished_at=bindparam("finished_at", type_=UTCDateTime()),
+            claimed_by=None, lease_expires_at=None)
+)
 _ANNOTATE = (
     update(_CALLS)
     .where(_CALLS.c.run_id == bindparam("rid"), _CALLS.c.idx == bindparam("b_idx"))
@@ -277,6 +285,8 @@ class RunsMixin(StoreBase):
                   "finished_at": now if status in RUN_FINISHED else None}
         with self._conn_write() as c:
             changed = c.execute(_SET_STATUS, params).rowcount
+            if changed and status == "cancelled":
+                c.execute(_CANCEL_CALLS, {"rid": run_id, "finished_at": now})
             if changed and events:
                 append_in(c, [(run_id, t, p) for t, p in events], now)
             return bool(changed)

@@ -1,9 +1,10 @@
 """Iteration-level scheduling over the context tree (continuous batching).
 
 Each step takes every running decode (one token each), then prefill chunks, under a
-token budget (chunked prefill). A request joins the running set when it heads its
-context's queue and, for a forked context, when its parent has no work queued (so the
-child inherits the parent's computed blocks). When blocks run out the newest running
+token budget (chunked prefill). Waiting requests are admitted by priority, then arrival.
+A request joins the running set when it heads its context's queue and, for a forked
+context, when its parent has no work queued (so the child inherits the parent's computed
+blocks). When blocks run out the newest running
 request is preempted: its unshared blocks are released and later recomputed.
 """
 
@@ -30,6 +31,10 @@ class Work:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the context, so the step samples a token."""
         return self.req.kind == "generate" and self.start + self.n == len(self.req.ctx.tokens)
+
+
+def _urgency(req: Request) -> tuple[int, int]:
+    return req.priority, req.seq
 
 
 class Scheduler:
@@ -112,19 +117,31 @@ class Scheduler:
         return work, finished, failed
 
     def _admit(self) -> None:
-        for req in list(self.waiting):
-            if len(self.running) >= self.max_num_seqs:
-                return
+        # by priority, then arrival (preempted requests keep their place): a latency call
+        # or an API request is not queued behind a backlog of throughput work
+        for req in sorted(self.waiting, key=_urgency):
             ctx = req.ctx
             if ctx.queue[0] is not req:
                 continue  # an earlier request on this context goes first
+            if not ctx.attached and ctx.parent.busy:
+                continue  # fork once the parent's queued work is done
+            if len(self.running) >= self.max_num_seqs and not self._make_way(req):
+                return  # the rest are no more urgent than this one
             if not ctx.attached:
-                if ctx.parent.busy:
-                    continue  # fork once the parent's queued work is done
                 self._attach(ctx)
             self._match_prefix(ctx)
             self.waiting.remove(req)
             self.running.append(req)
+
+    def _make_way(self, req: Request) -> bool:
+        """A full running set admits a more urgent request by preempting the newest of its
+        least urgent requests (which waits, its KV recomputed later); False if none is
+        less urgent."""
+        victim = max(self.running, key=_urgency)
+        if victim.priority <= req.priority:
+            return False
+        self.preempt(victim)
+        return True
 
     def _attach(self, ctx: Context) -> None:
         parent, bs = ctx.parent, self.pool.block_size

@@ -1,0 +1,59 @@
+"""Waiting requests are admitted by priority: a latency request (priority 0) does not wait
+behind a full batch of throughput work (priority 1); it preempts the newest of it, which
+then finishes with the tokens it would have produced anyway (greedy, recomputed KV)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.sampling import SamplingParams
+
+LONG = SamplingParams(max_tokens=40, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+
+async def _gen(engine, cid, prompt, sampling, priority, log):
+    await engine.fill(cid, None, prompt, priority=priority)
+    tokens = []
+    async for d in engine.generate(cid, None, sampling, priority=priority):
+        if d.token_id is not None:
+            tokens.append(d.token_id)
+        log.append(cid)
+    await engine.free(cid)
+    return tokens
+
+
+def test_an_urgent_request_overtakes_a_full_batch_of_throughput_work(tiny_model_dir):
+    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, max_num_seqs=2,
+                                    progress=False)
+
+    async def go(urgent: bool):
+        log: list[str] = []
+        async with engine:
+            bulk = [asyncio.create_task(_gen(engine, f"bulk{i}", _prompt(20, i), LONG, 1, log))
+                    for i in range(2)]
+            while len(log) < 4:  # both throughput requests are decoding
+                await asyncio.sleep(0.001)
+            tokens = []
+            if urgent:
+                tokens = await _gen(engine, "urgent", _prompt(10, 9), SHORT, 0, log)
+            bulk_tokens = await asyncio.gather(*bulk)
+            return log, tokens, bulk_tokens, engine.stats_now()
+
+    quiet_log, _, quiet_bulk, _ = asyncio.run(go(False))
+    log, tokens, bulk_tokens, stats = asyncio.run(go(True))
+    assert len(tokens) == 3
+    done_at = max(i for i, c in enumerate(log) if c == "urgent")
+    # the urgent request finished while the bulk still had most of its tokens to go
+    assert sum(1 for c in log[:done_at] if c != "urgent") < 40
+    assert stats.preemptions >= 1
+    assert bulk_tokens == quiet_bulk  # preempted work recomputes to the same tokens
+    assert stats.contexts == 0 and stats.blocks_used == 0

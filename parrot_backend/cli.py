@@ -124,8 +124,12 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
                                         num_blocks=args.num_blocks)
+        from parrot_backend.manager.executor import ManagerConfig
+
+        limits = ManagerConfig(max_calls_per_run=args.max_calls_per_run,
+                               max_calls_per_tenant=args.max_calls_per_tenant)
         runtime = NativeRuntime(store, {"engine-0": engine}, worker=args.worker_id,
-                                owner_lease_s=args.run_lease)
+                                owner_lease_s=args.run_lease, manager_config=limits)
         settings = ServerSettings(host=args.host, port=args.port, api_keys=keys,
                                   key_lookup=runtime.key_lookup if auth else None,
                                   auth=True if auth else None, manage_engine=True,
@@ -185,6 +189,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parrot-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--operator-key", default=os.environ.get("PARROT_OPERATOR_KEY"),
                    help="accept remote engines that register with this key "
                         "(default: $PARROT_OPERATOR_KEY; none: no remote engines)")
+    s.add_argument("--max-calls-per-run", type=_positive, default=4096, metavar="N",
+                   help="calls one run may hold (a program, or an open run's additions in "
+                        "all); beyond: 400 (default 4096)")
+    s.add_argument("--max-calls-per-tenant", type=_positive, default=4096, metavar="N",
+                   help="calls of one tenant ready or running at once; a run or calls that "
+                        "would start more: 429 with Retry-After (default 4096)")
     s.add_argument("--gc-threshold", type=int, default=None, metavar="N",
                    help="garbage collector: freeze start-up objects and collect young "
                         "objects every N allocations (default 10000, see "

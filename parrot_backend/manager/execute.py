@@ -95,6 +95,7 @@ class CallRunner:
         self.kwargs = engine_kwargs
         self.tokenize = tokenize
         self.owned: list[_Ctx] = []
+        self.tokens = 0  # tokens generated (every delta carrying a token id)
 
     async def run(
         self,
@@ -137,6 +138,8 @@ class CallRunner:
         finish = None
         try:  # what contextlib.aclosing does, without its objects and awaits
             async for delta in stream:
+                if delta.token_id is not None:
+                    self.tokens += 1
                 if delta.text:
                     parts.append(delta.text)
                     await on_token(step, delta)

@@ -34,9 +34,11 @@ For the server (all methods on the manager's event loop):
     await manager.forget(run_id)               # drop a finished run from memory
     await manager.stop()                       # runs stay resumable (no events)
 
-Errors: ProgramError (a ValueError: bad program, inputs or names; 400), RunNotFound
-(404), RunClosedError (409), VariableFailed and RunCancelled (the value will never come),
-TimeoutError from `get(timeout=...)` (the run goes on).
+Errors: ProgramError (a ValueError: bad program, inputs or names, or a program larger
+than `max_calls_per_run`, or a generation config beyond the model's vocabulary or
+context; 400), TenantBusy (the tenant has `max_calls_per_tenant` calls ready or running;
+429), RunNotFound (404), RunClosedError (409), VariableFailed and RunCancelled (the
+value will never come), TimeoutError from `get(timeout=...)` (the run goes on).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from typing import Any
 from parrot_backend.engine.errors import EngineUnavailable
 from parrot_backend.engine.interface import EngineClient, EngineStats, TokenDelta
 from parrot_backend.program import (
+    Call,
     CallSpec,
     Criterion,
     ProgramError,
@@ -79,6 +82,7 @@ from .runs import (
     RunNotFound,
     RunOwnedElsewhere,
     RunStatus,
+    TenantBusy,
     VariableFailed,
 )
 from .sharing import Attached, SharedPrefixes, shareable
@@ -97,6 +101,10 @@ class ManagerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     static_prefix_min_tokens: int = 4  # a static prefix this long gets its own context
     delay_samples: int = 100_000  # ready -> dispatch delays and round times kept (benchmarks)
+    max_calls_per_run: int = 4096  # a program (or an open run, all additions) beyond: refused
+    # calls of one tenant that are ready or running at once; a run or calls that would
+    # make more ready now are refused (TenantBusy: the server answers 429)
+    max_calls_per_tenant: int = 4096
 
 
 @dataclass(slots=True)
@@ -161,11 +169,16 @@ class Manager:
         self.dispatch_delays: deque[float] = deque(maxlen=self.config.delay_samples)
         self.round_durations: deque[float] = deque(maxlen=self.config.delay_samples)
         self.calls_dispatched = 0
+        self.tokens_generated = 0  # by calls of this manager (metrics)
         self._priority_kw = {eid: _takes_priority(e) for eid, e in self.engines.items()}
         self._capacity: dict[str, int] = {}
         self._load = {eid: _Load() for eid in self.engines}
         self._pending: dict[str, _Ready] = {}  # by call id, in enqueue order
         self._pending_runs: dict[str, int] = {}  # run id -> its calls in `_pending`
+        # tenant -> its runs with calls in `_pending` (the window's fair shares)
+        self._pending_tenants: dict[str | None, int] = {}
+        self._inflight: dict[str | None, int] = {}  # tenant -> calls ready or running
+        self._limits = _model_limits(self.engines.values())
         self._pending_latency = 0  # calls in `_pending` whose objective is latency
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -189,6 +202,8 @@ class Manager:
             self._dispatcher = None
         self._pending.clear()
         self._pending_runs.clear()
+        self._pending_tenants.clear()
+        self._inflight.clear()
         self._pending_latency = 0
         for run in self.runs.values():
             run.queued.clear()
@@ -209,13 +224,16 @@ class Manager:
 
     def counts(self) -> dict[str, int]:
         """Gauges and counters for metrics: calls waiting for an engine, calls running,
-        runs held in memory, calls dispatched, shared-prefix fills and forks."""
+        runs held in memory, engines, shared prefixes held on engines (each one engine
+        context), calls dispatched, tokens generated, shared-prefix fills and forks."""
         return {
             "pending_calls": len(self._pending),
             "running_calls": sum(load.batch for load in self._load.values()),
             "runs": len(self.runs),
             "engines": len(self.engines),
+            "prefixes": len(self.sharing.table),
             "calls_dispatched": self.calls_dispatched,
+            "tokens_generated": self.tokens_generated,
             "prefix_fills": sum(self.sharing.fills.values()),
             "prefix_forks": sum(self.sharing.forks.values()),
         }
@@ -233,6 +251,7 @@ class Manager:
         self.engines[engine_id] = engine
         self._load[engine_id] = _Load()
         self._priority_kw[engine_id] = _takes_priority(engine)
+        self._limits = _model_limits(self.engines.values())
         self._wake.set()
 
     async def remove_engine(self, engine_id: str) -> list[str]:
@@ -243,6 +262,8 @@ class Manager:
         if self.engines.pop(engine_id, None) is None:
             return []
         self._capacity.pop(engine_id, None)
+        if self.engines:  # the limits of the last engine stand while none is in service
+            self._limits = _model_limits(self.engines.values())
         self.sharing.table.drop_engine(engine_id)
         moved = [
             (run, name, task)
@@ -284,6 +305,13 @@ class Manager:
         run_id = run_id or os.urandom(16).hex()  # 128 random bits, as uuid4().hex
         if run_id in self.runs:
             raise ValueError(f"run {run_id} already exists")
+        if known is None:  # a new run (a recovered one was admitted in its first life)
+            self._check_size(len(program.calls), "the program")
+            if any(c.outputs for c in spec.program.calls):  # default configs fit any model
+                self._check_limits(program.calls.values())
+            given = spec.inputs
+            self._check_tenant(tenant, sum(1 for c in program.calls.values()
+                                           if c.outputs and all(i in given for i in c.inputs)))
         known = dict(known or {})
         stray = [n for n in known if n not in program.variables or program.variables[n].is_input]
         if stray:
@@ -329,7 +357,12 @@ class Manager:
         """Add calls to an open run; returns their names (unnamed ones become `#<index>`)."""
         run = self._open_run(run_id)
         base = len(run.program.calls)
+        self._check_size(base + len(calls), f"run {run_id}")
         built = self.builder.calls(calls, base)
+        self._check_limits(built)
+        values = run.values
+        self._check_tenant(run.tenant, sum(1 for c in built
+                                           if c.outputs and all(i in values for i in c.inputs)))
         given = [o for c in built for o in c.outputs if o in run.values]
         if given:
             raise ProgramError(f"variables already given as inputs cannot be generated: {given}")
@@ -601,7 +634,7 @@ class Manager:
         for a in schedule(pending, snapshots, self.clock(), self.config.policy):
             r = self._pending.get(a.call_id)
             if r is not None and r.run.state == "running":
-                self._unqueue(r.run, r.name)
+                self._unqueue(r.run, r.name, started=True)
                 self._start(r, a.engine_id)
         self.round_durations.append(time.perf_counter() - began)
 
@@ -635,8 +668,9 @@ class Manager:
         At most `max_batch - batch_size` calls fit on each engine (`slots` in all), so when
         more are pending only about that many are offered. Order of choice: aged calls
         (oldest first), then latency calls, then throughput calls; within each kind every
-        run first gets an equal share of the slots (a run with a thousand ready calls does
-        not hold back one with a single call), then the oldest fill the rest. A call in a
+        tenant first gets an equal share of the slots, split equally among its runs (a
+        tenant or run with a thousand ready calls does not hold back one with a single
+        call), then the oldest fill the rest. A call in a
         task group brings every pending member of its group, and they all count against
         the slots and its run's share: groups are never split. A group that does not fit
         in the slots left is passed over this round (smaller work after it may fill
@@ -652,13 +686,16 @@ class Manager:
         # in the backlog (the counters say how many runs and latency calls are pending)
         chosen: dict[str, _Ready] = {}
         taken: dict[str, int] = {}  # run id -> calls chosen (a dict: no __missing__ calls)
+        by_tenant: dict[str | None, int] = {}  # tenant -> calls chosen
         passed: set[tuple[str, int]] = set()  # groups that did not fit this round
 
         def take(r: _Ready) -> None:
             """Choose `r`, with its whole task group when it has one, if it fits."""
+            tenant = r.run.tenant
             if r.group is None:
                 chosen[r.call_id] = r
                 taken[r.run.run_id] = taken.get(r.run.run_id, 0) + 1
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
                 return
             gkey = (r.run.run_id, r.group)
             if gkey in passed:
@@ -674,6 +711,7 @@ class Manager:
             for q in members:
                 chosen[q.call_id] = q
             taken[r.run.run_id] = taken.get(r.run.run_id, 0) + len(members)
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + len(members)
 
         old = self.clock() - self.config.policy.aging_s
         for r in pending.values():
@@ -681,8 +719,10 @@ class Manager:
                 break
             if r.call_id not in chosen:
                 take(r)
-        # fairness: each run first gets an equal share of the slots, then the oldest fill up
-        share = max(1, slots // len(self._pending_runs))
+        # fairness: each tenant first gets an equal share of the slots, split equally among
+        # its runs, then the oldest fill up
+        tenants = self._pending_tenants
+        share = max(1, slots // len(tenants))
         for want_latency in (True, False):
             if want_latency:
                 if not self._pending_latency:
@@ -698,8 +738,12 @@ class Manager:
                         break
                     if (r.objective == "latency") != want_latency or r.call_id in chosen:
                         continue
-                    if fair and taken.get(r.run.run_id, 0) >= share:
-                        continue
+                    if fair:
+                        tenant = r.run.tenant
+                        if by_tenant.get(tenant, 0) >= share or taken.get(
+                            r.run.run_id, 0
+                        ) >= max(1, share // tenants[tenant]):
+                            continue
                     take(r)
         return list(chosen.values())
 
@@ -757,6 +801,7 @@ class Manager:
             load.batch -= 1
             load.tokens -= r.plan.n_tokens
             load.latency -= counted_latency
+            self._uncount(self._inflight, r.run.tenant)
             if r.run.tasks.get(r.name) is task:  # a re-dispatched call has a new task
                 del r.run.tasks[r.name]
             if self._pending:
@@ -858,6 +903,8 @@ class Manager:
             run.calls[name].state, run.calls[name].error = "failed", error
 
     async def _cleanup(self, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
+        self.tokens_generated += runner.tokens
+        runner.tokens = 0
         try:
             await runner.free()
             if keys:
@@ -875,26 +922,76 @@ class Manager:
         ready.run.queued[ready.name] = ready
         runs = self._pending_runs
         run_id = ready.run.run_id
-        runs[run_id] = runs.get(run_id, 0) + 1
+        n = runs.get(run_id, 0)
+        runs[run_id] = n + 1
+        tenant = ready.run.tenant
+        if not n:
+            self._pending_tenants[tenant] = self._pending_tenants.get(tenant, 0) + 1
+        self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
         self._pending_latency += ready.objective == "latency"
 
-    def _unqueue(self, run: Run, name: str) -> None:
-        """Take a ready call off the dispatcher's queue."""
+    def _unqueue(self, run: Run, name: str, started: bool = False) -> None:
+        """Take a ready call off the dispatcher's queue (`started`: to run it now)."""
         queued = run.queued.pop(name, None)
         call_id = queued.call_id if queued is not None else f"{run.run_id}/{name}"
         ready = self._pending.pop(call_id, None)
         if ready is not None:
-            self._count_out(ready)
+            self._count_out(ready, started)
 
-    def _count_out(self, ready: _Ready) -> None:
+    def _count_out(self, ready: _Ready, started: bool = False) -> None:
+        """Count a call off the queue; `started`: it runs now, so it stays in flight."""
         run_id = ready.run.run_id
         runs = self._pending_runs
         left = runs[run_id] - 1
+        tenant = ready.run.tenant
         if left:
             runs[run_id] = left
         else:
             del runs[run_id]
+            self._uncount(self._pending_tenants, tenant)
+        if not started:
+            self._uncount(self._inflight, tenant)
         self._pending_latency -= ready.objective == "latency"
+
+    @staticmethod
+    def _uncount(counts: dict[str | None, int], tenant: str | None) -> None:
+        left = counts.get(tenant, 0) - 1
+        if left > 0:
+            counts[tenant] = left
+        else:  # (also after `stop` cleared the counts)
+            counts.pop(tenant, None)
+
+    def inflight(self, tenant: str | None) -> int:
+        """Calls of `tenant` that are ready (queued for an engine) or running."""
+        return self._inflight.get(tenant, 0)
+
+    def _check_size(self, n_calls: int, what: str) -> None:
+        cap = self.config.max_calls_per_run
+        if n_calls > cap:
+            raise ProgramError(f"{what} would have {n_calls} calls; a run holds at most {cap}")
+
+    def _check_tenant(self, tenant: str | None, adding: int) -> None:
+        cap = self.config.max_calls_per_tenant
+        now = self._inflight.get(tenant, 0)
+        if adding and now + adding > cap:
+            raise TenantBusy(
+                f"{now} calls of this tenant are ready or running and {adding} more would "
+                f"start (at most {cap} at once); retry when some have finished"
+            )
+
+    def _check_limits(self, calls: Iterable[Call]) -> None:
+        """Generation configs must fit the model: a bad one would fail only at run time."""
+        vocab, context = self._limits
+        if vocab is None and context is None:
+            return
+        problems = [
+            f"call {call.name!r}, output {out!r}: {problem}"
+            for call in calls
+            for out, config in call.configs.items()
+            for problem in config.limit_problems(vocab, context)
+        ]
+        if problems:
+            raise ProgramError("; ".join(problems[:5]), problems)
 
     def _engine_kwargs(self, engine_id: str, priority: int) -> Mapping[str, Any]:
         # read-only and shared: one per priority, not one dict per call
@@ -918,6 +1015,13 @@ class Manager:
                 f"run {run_id} is {'closed' if run.state == 'running' else run.state}"
             )
         return run
+
+
+def _model_limits(engines: Iterable[EngineClient]) -> tuple[int | None, int | None]:
+    """(vocabulary size, context length) every engine accepts; None where none says."""
+    vocab = [v for e in engines if isinstance(v := getattr(e, "vocab_size", None), int)]
+    context = [n for e in engines if isinstance(n := getattr(e, "max_model_len", None), int)]
+    return (min(vocab) if vocab else None, min(context) if context else None)
 
 
 def _takes_priority(engine: EngineClient) -> bool:

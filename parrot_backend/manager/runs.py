@@ -41,6 +41,11 @@ class RunCancelled(RuntimeError):
     """The run was cancelled before the variable got a value."""
 
 
+class TenantBusy(RuntimeError):
+    """The tenant already has as many calls ready or running as it may (its fair share of
+    the engines): the run or calls were not admitted; retry once some have finished."""
+
+
 class RunOwnedElsewhere(RuntimeError):
     """Raised by a listener: another manager (sharing the store) runs this run's calls, so
     this manager drops its copy of the run without recording anything."""

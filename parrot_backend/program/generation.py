@@ -29,6 +29,21 @@ class GenerationConfig(BaseModel):
     stop: list[NonEmpty] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
 
+    def limit_problems(self, vocab_size: int | None, max_model_len: int | None) -> list[str]:
+        """What does not fit a model with this vocabulary and context (none: fits)."""
+        out = []
+        if max_model_len is not None and self.max_tokens > max_model_len:
+            out.append(f"max_tokens {self.max_tokens} exceeds the model's context of "
+                       f"{max_model_len} tokens")
+        if vocab_size is not None:
+            if self.top_k > vocab_size:
+                out.append(f"top_k {self.top_k} exceeds the vocabulary size {vocab_size}")
+            bad = [t for t in self.stop_token_ids if t >= vocab_size]
+            if bad:
+                out.append(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                           f"(0..{vocab_size - 1})")
+        return out
+
     def to_sampling(self) -> SamplingParams:
         """The engine's sampling parameters for this output."""
         # imported here: the engine pulls in torch, and `program` must stay importable without it

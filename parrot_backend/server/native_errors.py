@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from parrot_backend.manager.runs import RunClosedError, RunNotFound
+from parrot_backend.manager.runs import RunClosedError, RunNotFound, TenantBusy
 from parrot_backend.program import ProgramError, TemplateError
 from parrot_backend.store import InvalidRequestError, NotFoundError
 
 from .errors import APIError
+
+TENANT_RETRY_AFTER_S = 1  # a tenant over its share waits for its own calls to finish
 
 
 def not_found(run_id: str) -> APIError:
@@ -34,3 +36,6 @@ def client_errors(run_id: str | None = None) -> Iterator[None]:
         raise APIError(400, str(exc), code="program_error") from None
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), code="invalid_request") from None
+    except TenantBusy as exc:
+        raise APIError(429, str(exc), code="tenant_busy",
+                       headers={"Retry-After": str(TENANT_RETRY_AFTER_S)}) from None

@@ -17,12 +17,14 @@ from parrot_backend.program import Program, RunSpec
 
 def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
     """The rule, restated plainly: a call brings its whole task group, every member counts
-    against the slots (and its run's share); a group that does not fit in the slots left
-    is passed over, unless nothing is chosen yet."""
+    against the slots (and its tenant's and run's shares); a group that does not fit in the
+    slots left is passed over, unless nothing is chosen yet. Each tenant's share is an
+    equal part of the slots, each run's an equal part of its tenant's share."""
     if len(pending) <= slots:
         return {r.call_id for r in pending}
     chosen: dict[str, _Ready] = {}
     taken: Counter[str] = Counter()
+    by_tenant: Counter[str | None] = Counter()
     passed: set[tuple[str, int]] = set()
 
     def unit(r: _Ready) -> list[_Ready]:
@@ -40,13 +42,17 @@ def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
         for q in members:
             chosen[q.call_id] = q
         taken[r.run.run_id] += len(members)
+        by_tenant[r.run.tenant] += len(members)
 
     for r in pending:
         if r.enqueued_at >= old or len(chosen) >= slots:
             break
         if r.call_id not in chosen:
             take(r)
-    share = max(1, slots // len({r.run.run_id for r in pending}))
+    runs_of: dict[str | None, set[str]] = {}
+    for r in pending:
+        runs_of.setdefault(r.run.tenant, set()).add(r.run.run_id)
+    share = max(1, slots // len(runs_of))
     for want_latency in (True, False):
         for fair in (True, False):
             for r in pending:
@@ -54,7 +60,9 @@ def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
                     break
                 if (r.objective == "latency") != want_latency or r.call_id in chosen:
                     continue
-                if fair and taken[r.run.run_id] >= share:
+                run_share = max(1, share // len(runs_of[r.run.tenant]))
+                if fair and (by_tenant[r.run.tenant] >= share
+                             or taken[r.run.run_id] >= run_share):
                     continue
                 take(r)
     return set(chosen)
@@ -66,8 +74,9 @@ def test_window_picks_what_the_rule_says() -> None:
     config = ManagerConfig(policy=PolicyConfig(aging_s=10.0))
     for trial in range(150):
         m = Manager({"e": ScriptedEngine()}, config=config, clock=lambda: now[0])
+        tenants = [None, "alice", "bob", "carol"][: rng.randint(1, 4)]
         runs = [
-            Run(f"r{i}", Program(), None, "t:", True, {}, EventLog(f"r{i}"))
+            Run(f"r{i}", Program(), rng.choice(tenants), "t:", True, {}, EventLog(f"r{i}"))
             for i in range(rng.randint(1, 12))
         ]
         order: list[_Ready] = []
@@ -89,6 +98,10 @@ def test_window_picks_what_the_rule_says() -> None:
             order.remove(ready)
         assert m._pending_latency == sum(r.objective == "latency" for r in order)
         assert m._pending_runs == Counter(r.run.run_id for r in order)
+        assert m._pending_tenants == Counter(
+            {t: len({r.run.run_id for r in order if r.run.tenant == t})
+             for t in {r.run.tenant for r in order}})
+        assert m._inflight == Counter(r.run.tenant for r in order)
         slots = rng.randint(0, 40)
         got = {r.call_id for r in m._window(slots)}
         assert got == reference_window(order, slots, now[0] - 10.0), trial
@@ -226,3 +239,20 @@ async def test_a_group_larger_than_max_batch_still_runs() -> None:
         for i, rid in enumerate(small):
             assert await m.get(rid, "total") == f"<<d{i}x1>>"
     _check_windows(seen)
+
+
+def test_a_tenant_with_many_runs_does_not_take_every_slot() -> None:
+    now = [100.0]
+    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    many = [Run(f"a{i}", Program(), "alice", "t:", True, {}, EventLog(f"a{i}"))
+            for i in range(8)]
+    bob = Run("b", Program(), "bob", "t:", True, {}, EventLog("b"))
+    for i, run in enumerate(many):  # alice queued first: 8 runs of 2 calls
+        for k in range(2):
+            m._queue(_ready(run, f"c{k}", 99.0 + i * 0.01 + k * 0.001, None))
+    for k in range(4):
+        m._queue(_ready(bob, f"c{k}", 99.5 + k * 0.001, None))
+    window = m._window(8)
+    # per run, bob would get 8 // 9 -> 1 slot; per tenant he gets half of them
+    assert sum(r.run is bob for r in window) == 4
+    assert len(window) == 8

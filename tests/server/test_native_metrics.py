@@ -23,6 +23,9 @@ async def test_metrics_count_dispatched_calls_and_shared_prefix_use(tmp_path):
             == 200
         after = (await c.get("/metrics")).text
     assert _value(after, "parrot_manager_calls_dispatched_total") == len(CHAIN)
+    # native tokens count in the server's token total (it counted only the OpenAI routes)
+    native = _value(after, "parrot_manager_tokens_generated_total")
+    assert native > 0 and _value(after, "parrot_tokens_generated_total") == native
     assert _value(after, "parrot_manager_pending_calls") == 0
     assert _value(after, "parrot_manager_engines") == 1
 

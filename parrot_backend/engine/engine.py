@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -28,10 +29,11 @@ from .errors import (
 from .interface import EngineStats, TokenDelta
 from .model_files import DEFAULT_MODEL, resolve_model
 from .models.loader import load_config, load_model
-from .runner import ModelRunner, StepResult
+from .runner import Batch, ModelRunner, StepResult
 from .sampler import Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Work
+from .threads import ThreadTuner, available_cores
 from .tokens import decode_tokens, encode_segment
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     prefix_cache: bool = True
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA (when installed)
+    threads: int | None = None  # CPU threads of torch ops; None: chosen by measuring steps
 
 
 def _pick_device(name: str) -> torch.device:
@@ -148,6 +151,11 @@ class Engine:
             device=device,
             backend=backend,
         )
+        if device.type == "cpu":
+            self.threads = ThreadTuner(config.threads or available_cores(),
+                                       fixed=config.threads is not None)
+        else:  # torch's CPU threads barely matter next to a GPU: leave them alone
+            self.threads = ThreadTuner(1, fixed=True, set_threads=lambda n: None)
         self.contexts: dict[Hashable, Context] = {}
         self.scheduler = Scheduler(
             self.pool,
@@ -513,7 +521,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         runner = self.runner
         try:
-            return await loop.run_in_executor(compute_executor(), runner.execute,
+            return await loop.run_in_executor(compute_executor(), self._compute,
                                               runner.prepare(work))
         except Exception as exc:
             log.warning("a step of %d sequence(s) failed (%r); retrying them one by one",
@@ -525,12 +533,20 @@ class Engine:
                 continue
             try:
                 results.extend(await loop.run_in_executor(
-                    compute_executor(), runner.execute, runner.prepare([w])))
+                    compute_executor(), self._compute, runner.prepare([w])))
             except Exception as exc:
                 results.append(StepFailed(f"computing this request failed: {exc!r}"))
         if all(isinstance(r, BaseException) for r in results):
             await loop.run_in_executor(compute_executor(), self._probe_device)
         return results
+
+    def _compute(self, batch: Batch) -> list[StepResult]:
+        """One step on the compute thread, with the thread count the tuner picks."""
+        threads = self.threads.before_step()
+        began = time.perf_counter()
+        out = self.runner.execute(batch)
+        self.threads.after_step(threads, time.perf_counter() - began, len(batch.ids))
+        return out
 
     def _probe_device(self) -> None:
         """Raise if the device itself is broken (a CUDA error poisons every later op)."""

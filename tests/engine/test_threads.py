@@ -1,0 +1,83 @@
+"""The compute thread's thread count: the tuner keeps what measures cheaper and goes back
+when that changes; switching counts changes no result."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.engine.threads import ThreadTuner
+
+from .helpers import collect
+
+
+class FakeMachine:
+    """Step costs per thread count (seconds per token), changed by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.cost = {2: 1.0, 1: 1.8}  # quiet 2-core machine: the whole team is faster
+        self.applied: list[int] = []
+
+    def run(self, tuner: ThreadTuner, steps: int) -> list[int]:
+        used = []
+        for _ in range(steps):
+            n = tuner.before_step()
+            used.append(n)
+            self.now += 0.05
+            tuner.after_step(n, self.cost[n] * 8, 8)
+        return used
+
+
+def _tuner(machine: FakeMachine, **kw) -> ThreadTuner:
+    return ThreadTuner(2, probe_every_s=1.0, probe_steps=3, clock=lambda: machine.now,
+                       set_threads=machine.applied.append, **kw)
+
+
+def test_the_tuner_drops_to_one_thread_under_contention_and_comes_back():
+    m = FakeMachine()
+    tuner = _tuner(m)
+    used = m.run(tuner, 60)
+    assert tuner.current == 2 and 1 in used  # it probed one thread and stayed at two
+    assert used.count(1) <= 3 * 3  # probes are short: ~3 steps every second
+    m.cost = {2: 6.0, 1: 1.9}  # another process spins on one core: the team waits
+    m.run(tuner, 60)
+    assert tuner.current == 1
+    m.cost = {2: 1.0, 1: 1.8}  # the load is gone
+    m.run(tuner, 60)
+    assert tuner.current == 2
+    assert tuner.switches == 2
+    assert m.applied[0] == 2 and set(m.applied) == {1, 2}
+
+
+def test_the_tuner_keeps_its_count_within_the_margin_and_fixed_never_probes():
+    m = FakeMachine()
+    m.cost = {2: 1.0, 1: 0.95}  # one thread barely cheaper: not worth a switch
+    tuner = _tuner(m)
+    m.run(tuner, 100)
+    assert tuner.current == 2 and tuner.switches == 0
+    fixed = _tuner(m, fixed=True)
+    assert set(m.run(fixed, 100)) == {2}
+
+
+def test_one_and_two_threads_give_the_same_logits_and_tokens(tiny_model_dir):
+    prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def tokens(threads: int):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=64, threads=threads,
+                                        progress=False)
+
+        async def go():
+            async with engine:
+                await engine.fill("a", None, prompt)
+                return (await collect(engine, "a", None,
+                                      SamplingParams(max_tokens=12, ignore_eos=True)))[0]
+
+        return asyncio.run(go()), engine.threads.describe()
+
+    (one, d1), (two, d2) = tokens(1), tokens(2)
+    assert one == two
+    assert "1 thread" in d1 and "2 thread" in d2

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 import uvicorn
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from parrot_backend.server import ServerSettings, create_app
 
 from .fake_engine import FakeEngine
 
+PG_ENV = "PARROT_TEST_DATABASE_URL"
 API_KEY = "sk-test-alice"
 OTHER_KEY = "sk-test-bob"
 KEYS = {API_KEY: "alice", OTHER_KEY: "bob"}
@@ -89,3 +94,21 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test (dropped afterwards)."""
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"{PG_ENV} unset")
+    name = f"parrot_rec_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

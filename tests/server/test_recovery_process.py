@@ -10,19 +10,14 @@ increasing across server lives.
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from .native_support import sse_events
 from .serve_process import Serve
 
-PG_ENV = "PARROT_TEST_DATABASE_URL"
 N_CALLS = 6
 
 
@@ -126,24 +121,6 @@ def test_sigkill_mid_run_resumes_on_sqlite(tiny_model_dir, tmp_path) -> None:
         crash_and_resume(serve, kills=3)
     finally:
         serve.stop()
-
-
-@pytest.fixture
-def pg_database() -> str:
-    """A fresh PostgreSQL database for one test (dropped afterwards)."""
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} unset")
-    name = f"parrot_rec_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.mark.postgres

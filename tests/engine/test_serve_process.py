@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -23,7 +24,10 @@ def _model(port) -> str:
 
 def _start(model_dir, env_extra=None):
     port = _free_port()
-    env = {**os.environ, **(env_extra or {})}
+    # never the user's own database: a temporary data dir per server
+    data_dir = tempfile.mkdtemp(prefix="parrot-serve-test-")
+    env = {**os.environ, "PARROT_DATA_DIR": data_dir, **(env_extra or {})}
+    env.pop("PARROT_DATABASE_URL", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "parrot_backend.cli", "serve", "--model", str(model_dir),
          "--port", str(port), "--num-blocks", "64"],

@@ -2,13 +2,15 @@
 
 torch parallelises each op over an OpenMP team as large as the machine. A server shares
 its cores: when another process keeps one of them busy, every parallel region waits at
-its barrier for the team's worker descheduled there, and decode ran 5-10x slower where
-losing one core of two should cost about 2x. No setting wins in both cases (the whole
-team is ~1.8x faster on a quiet 2-core machine), so `ThreadTuner` measures: every
-`probe_every_s` (and first after a few steps) it runs a few steps with another thread count and keeps whichever made
-the work cheaper (time per computed token, compared with the steps just before, which
-have the same shape of work in a steady stream). A co-located load then costs about its
-share of the cores, and the engine goes back to the whole team once the load is gone.
+its barrier for the team's worker descheduled there, and decode ran 3-5x slower where
+losing one core of two should cost about 2x. No fixed setting wins in both cases, so
+`ThreadTuner` measures: first after a few steps, then every `probe_every_s`, it runs a
+few steps with another thread count and keeps whichever made the work cheaper (time per
+computed token, against recent steps of the same size: a prefill chunk and a decode step
+cost very differently per token). A probe that changes nothing doubles the interval to
+the next (up to `max_probe_every_s`), so a steady machine pays little. A co-located load
+then costs about its share of the cores, and the engine goes back to the whole team once
+the load is gone.
 
 Everything here runs on the compute thread: OpenMP's thread count is a per-thread
 setting, and `torch.set_num_threads` applies to the thread that calls it.
@@ -40,6 +42,7 @@ class ThreadTuner:
         *,
         fixed: bool = False,
         probe_every_s: float = 5.0,
+        max_probe_every_s: float = 40.0,
         probe_steps: int = 3,
         margin: float = 1.15,
         set_threads: Callable[[int], None] | None = None,
@@ -49,15 +52,20 @@ class ThreadTuner:
         self.fixed = fixed
         self.current = self.max_threads
         self.probe_every_s = probe_every_s
+        self.max_probe_every_s = max(max_probe_every_s, probe_every_s)
+        self._interval = probe_every_s  # doubles after each probe that changes nothing
         self.probe_steps = probe_steps
         self.margin = margin
         self.clock = clock
         self._set = set_threads or _torch_set_threads
         # what the compute thread runs with: one thread serves every engine of a process
         self._applied = _COMPUTE_THREAD if set_threads is None else {"threads": None}
-        self._recent: deque[float] = deque(maxlen=probe_steps)  # cost/token at `current`
+        # cost per token of recent steps at `current`, by step size (a prefill chunk and
+        # a decode step cost very differently per token: only like is compared with like)
+        self._recent: dict[int, deque[float]] = {}
         self._probe: int | None = None  # the count being tried, if probing
-        self._probe_costs: list[float] = []
+        self._probe_costs: dict[int, list[float]] = {}
+        self._probe_left = 0  # steps the probe may still take before it is given up
         self._next_probe = clock()  # the first probe as soon as a few steps were measured
         self.switches = 0
 
@@ -69,15 +77,16 @@ class ThreadTuner:
         """Apply and return the thread count for the next step."""
         threads = self.current
         if not self.fixed:
-            if self._probe is None and self.clock() >= self._next_probe and len(
-                self._recent
-            ) == self._recent.maxlen:
+            if self._probe is None and self.clock() >= self._next_probe and any(
+                len(q) == self.probe_steps for q in self._recent.values()
+            ):
                 others = [n for n in self.candidates() if n != self.current]
                 if others:
                     # try the neighbour: fewer threads from the whole team, more from fewer
                     self._probe = others[0] if self.current == self.max_threads else max(
                         n for n in others if n > self.current)
-                    self._probe_costs = []
+                    self._probe_costs = {}
+                    self._probe_left = 4 * self.probe_steps
             if self._probe is not None:
                 threads = self._probe
         if threads != self._applied["threads"]:
@@ -90,21 +99,30 @@ class ThreadTuner:
         if self.fixed or tokens <= 0:
             return
         cost = seconds / tokens
+        size = tokens.bit_length()  # steps of 1, 2-3, 4-7, 8-15, ... tokens
         if self._probe is None or threads != self._probe:
-            self._recent.append(cost)
+            self._recent.setdefault(size, deque(maxlen=self.probe_steps)).append(cost)
             return
-        self._probe_costs.append(cost)
-        if len(self._probe_costs) < self.probe_steps:
-            return
-        before = statistics.median(self._recent)
-        tried = statistics.median(self._probe_costs)
-        if tried * self.margin < before:
-            self.current = self._probe
-            self.switches += 1
-            self._recent.clear()
-            self._recent.extend(self._probe_costs)
+        tried = self._probe_costs.setdefault(size, [])
+        tried.append(cost)
+        self._probe_left -= 1
+        before = self._recent.get(size)
+        if len(tried) >= self.probe_steps and before is not None and len(before) >= 1:
+            if statistics.median(tried) * self.margin < statistics.median(before):
+                self.current = self._probe
+                self.switches += 1
+                self._recent = {size: deque(tried[-self.probe_steps:],
+                                            maxlen=self.probe_steps)}
+                self._interval = self.probe_every_s
+            else:  # a probe costs a few slow steps: fewer of them while nothing changes
+                self._interval = min(self._interval * 2, self.max_probe_every_s)
+            self._end_probe()
+        elif self._probe_left <= 0:  # the work changed shape meanwhile: try again later
+            self._end_probe()
+
+    def _end_probe(self) -> None:
         self._probe = None
-        self._next_probe = self.clock() + self.probe_every_s
+        self._next_probe = self.clock() + self._interval
 
     def describe(self) -> str:
         if self.fixed:

@@ -33,21 +33,22 @@ class FakeMachine:
 
 
 def _tuner(machine: FakeMachine, **kw) -> ThreadTuner:
-    return ThreadTuner(2, probe_every_s=1.0, probe_steps=3, clock=lambda: machine.now,
-                       set_threads=machine.applied.append, **kw)
+    return ThreadTuner(2, probe_every_s=1.0, max_probe_every_s=4.0, probe_steps=3,
+                       clock=lambda: machine.now, set_threads=machine.applied.append, **kw)
 
 
 def test_the_tuner_drops_to_one_thread_under_contention_and_comes_back():
     m = FakeMachine()
     tuner = _tuner(m)
-    used = m.run(tuner, 60)
+    used = m.run(tuner, 400)  # 20 s
     assert tuner.current == 2 and 1 in used  # it probed one thread and stayed at two
-    assert used.count(1) <= 3 * 3  # probes are short: ~3 steps every second
+    # probes are short and back off (1, 2, 4, 4, ... s apart): few slow steps
+    assert used.count(1) <= 3 * 7
     m.cost = {2: 6.0, 1: 1.9}  # another process spins on one core: the team waits
-    m.run(tuner, 60)
+    m.run(tuner, 100)
     assert tuner.current == 1
     m.cost = {2: 1.0, 1: 1.8}  # the load is gone
-    m.run(tuner, 60)
+    m.run(tuner, 100)
     assert tuner.current == 2
     assert tuner.switches == 2
     assert m.applied[0] == 2 and set(m.applied) == {1, 2}

@@ -46,6 +46,8 @@ class CallBuilder:
 
         Shared with earlier runs when equal: do not mutate it."""
         name = spec.name if spec.name is not None else f"#{index}"
+        if spec.template is None:  # chat messages the server did not render
+            return spec.build(index)  # (raises the ProgramError that says so)
         if spec.outputs:
             return self._build(name, spec)
         key = (name, spec.template)

@@ -13,32 +13,60 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .call import Call
 from .dag import Program
+from .errors import ProgramError
 from .generation import GenerationConfig
 from .template import NAME_PATTERN, is_valid_name
 from .text import MAX_NAME_LENGTH, StorableModel
 
-__all__ = ["CallSpec", "Criterion", "GenerationConfig", "ProgramSpec", "RunSpec"]
+__all__ = ["CallSpec", "ChatMessage", "Criterion", "GenerationConfig", "ProgramSpec", "RunSpec"]
 
 Criterion = Literal["latency", "throughput"]
 
 
+class ChatMessage(BaseModel):
+    """One message of a chat call; `content` is a template (`{{input:x}}`, and in the
+    final assistant message the `{{output:y}}` the call generates)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+
 class CallSpec(BaseModel):
-    """One call: a template and the generation config of its outputs.
+    """One call: a template (or chat `messages`) and the generation config of its outputs.
 
     Outputs of the template missing from `outputs` get the default config; names in
     `outputs` that the template does not generate are an error. An unnamed call is named
     `#<index>` after its place in the program (user names cannot start with `#`).
+
+    A chat call gives `messages` instead of `template`: the last one is the assistant
+    turn the call generates (`{"role": "assistant", "content": "{{output:y}}"}`). The
+    server renders them with the served model's chat template into a plain template
+    (`server/native_chat.py`) before the program is built or stored.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = Field(None, pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH)
-    template: str
+    template: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     outputs: dict[str, GenerationConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _template_or_messages(self) -> CallSpec:
+        if (self.template is None) == (self.messages is None):
+            raise ValueError("a call has either a template or chat messages (not both)")
+        return self
 
     def build(self, index: int) -> Call:
         """The parsed call; `index` names it when it has no name."""
         name = self.name if self.name is not None else f"#{index}"
+        if self.template is None:
+            raise ProgramError(
+                f"call {name!r}: chat messages must be rendered with the model's chat "
+                "template first (the server does this when the program is submitted)"
+            )
         return Call.from_template(name, self.template, self.outputs)
 
 

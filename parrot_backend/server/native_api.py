@@ -16,6 +16,7 @@ from parrot_backend.program import RunSpec, UnknownVariableError
 from parrot_backend.store import NotFoundError, RunDetail, RunRecord, VariableRecord
 
 from .errors import APIError
+from .native_chat import lower_calls, lower_run
 from .native_errors import client_errors, not_found
 from .native_schemas import (
     SQL_INT_MAX,
@@ -32,7 +33,7 @@ from .native_schemas import (
     VariableView,
 )
 from .runtime import NativeRuntime
-from .state import get_tenant
+from .state import StateDep, get_tenant
 
 router = APIRouter(prefix="/v1", tags=["native"])
 
@@ -83,10 +84,13 @@ def detail_view(d: RunDetail) -> RunDetailView:
 
 
 @router.post("/runs", response_model=RunCreated, status_code=201)
-async def create_run(spec: RunSpec, rt: RuntimeDep, tenant: TenantDep) -> RunCreated:
+async def create_run(spec: RunSpec, rt: RuntimeDep, tenant: TenantDep,
+                     state: StateDep) -> RunCreated:
     """Create a run from a program, its inputs and the outputs a client waits for
-    (`latency` or `throughput`). Returns once the run is committed; calls start at once."""
+    (`latency` or `throughput`). Returns once the run is committed; calls start at once.
+    Chat calls (`messages`) are rendered with the model's chat template first."""
     with client_errors():
+        spec = lower_run(spec, state.chat_template, state.special_tokens)
         run_id = await rt.create_run(tenant, spec)
     return RunCreated(run_id=run_id)
 
@@ -118,13 +122,15 @@ async def get_run(run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep) -> RunDe
 
 @router.post("/runs/{run_id}/calls", response_model=CallsAdded)
 async def add_calls(run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep,
-                    tenant: TenantDep) -> CallsAdded:
+                    tenant: TenantDep, state: StateDep) -> CallsAdded:
     """Add calls to an open run; they start as soon as their inputs have values."""
     await owned(rt, tenant, run_id)
     if not rt.live(tenant, run_id):
         raise APIError(409, f"run {run_id} is over; it takes no calls", code="run_closed")
     with client_errors(run_id):
-        names = await rt.manager.add_calls(run_id, body.calls)
+        first = len(rt.manager.runs[run_id].program.calls)
+        calls = lower_calls(body.calls, state.chat_template, state.special_tokens, first)
+        names = await rt.manager.add_calls(run_id, calls)
     return CallsAdded(run_id=run_id, names=names)
 
 

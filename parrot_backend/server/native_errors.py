@@ -10,6 +10,7 @@ from parrot_backend.program import ProgramError, TemplateError
 from parrot_backend.store import InvalidRequestError, NotFoundError
 
 from .errors import APIError
+from .native_chat import ChatCallError
 
 TENANT_RETRY_AFTER_S = 1  # a tenant over its share waits for its own calls to finish
 
@@ -32,6 +33,8 @@ def client_errors(run_id: str | None = None) -> Iterator[None]:
         raise APIError(409, str(exc), code="run_closed") from None
     except TemplateError as exc:
         raise APIError(400, str(exc), code="template_error") from None
+    except ChatCallError as exc:
+        raise APIError(400, str(exc), code="chat_call_error") from None
     except ProgramError as exc:
         raise APIError(400, str(exc), code="program_error") from None
     except InvalidRequestError as exc:

@@ -19,6 +19,7 @@ from parrot_backend.store import NotFoundError, WorkflowRecord
 
 from .errors import APIError
 from .native_api import RuntimeDep, TenantDep
+from .native_chat import lower_program
 from .native_errors import client_errors, not_found
 from .native_schemas import (
     NamePath,
@@ -30,6 +31,7 @@ from .native_schemas import (
     WorkflowList,
     WorkflowView,
 )
+from .state import StateDep
 
 router = APIRouter(prefix="/v1", tags=["native"])
 
@@ -51,11 +53,13 @@ def _spec(program: dict, inputs: dict[str, str], outputs: dict) -> RunSpec:
 
 @router.post("/workflows", response_model=WorkflowView, status_code=201)
 async def register_workflow(body: RegisterWorkflowRequest, rt: RuntimeDep,
-                            tenant: TenantDep) -> WorkflowView:
-    """Store a program under a name; each registration is the next version."""
+                            tenant: TenantDep, state: StateDep) -> WorkflowView:
+    """Store a program under a name; each registration is the next version. Chat calls
+    are stored rendered with the served model's chat template."""
     with client_errors():
-        body.program.build()  # templates and structure checked now, not at the first run
-    program = body.program.model_copy(update={"public": body.program.public or body.public})
+        program = lower_program(body.program, state.chat_template, state.special_tokens)
+        program.build()  # templates and structure checked now, not at the first run
+    program = program.model_copy(update={"public": program.public or body.public})
     tenant_id = await rt.tenant_id(tenant)
     record = await asyncio.to_thread(rt.store.register_workflow, tenant_id, body.name,
                                      program.model_dump(mode="json"), public=body.public)

@@ -8,14 +8,8 @@ import time
 import httpx
 import pytest
 
-from .test_recovery_process import (  # noqa: F401  (pg_database is a fixture)
-    Serve,
-    chain_spec,
-    detail,
-    pg_database,
-    read_events,
-    ready,
-)
+from .serve_process import Serve
+from .test_recovery_process import chain_spec, detail, read_events, ready
 
 
 def long_chain() -> dict:

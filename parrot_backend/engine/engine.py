@@ -34,7 +34,7 @@ from .sampler import Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Work
 from .threads import ThreadTuner, available_cores
-from .tokens import decode_tokens, encode_segment
+from .tokens import decode_tokens, encode_segment, special_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class Engine:
             "eos_token": tokenizer.eos_token or "",
         }
         self.eos_ids = frozenset(self._eos_ids(model_config, tokenizer))
+        self.special_token_ids = special_token_ids(tokenizer)
         num_blocks = config.num_blocks or self._size_pool(model_config, dtype, device)
         self.pool = BlockPool(num_blocks, config.block_size, prefix_cache=config.prefix_cache)
         backend = make_backend(_pick_backend(config.attention_backend, device))
@@ -260,9 +261,10 @@ class Engine:
         await self.stop()
 
     # ----------------------------------------------------------------- primitives
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids for a text segment, without special tokens added."""
-        return encode_segment(self.tokenizer, text)
+    def tokenize(self, text: str, *, data: bool = False) -> list[int]:
+        """Token ids for a text segment, without special tokens added; `data` (a value
+        substituted into a template): special-token spellings stay plain text."""
+        return encode_segment(self.tokenizer, text, data=data)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return decode_tokens(self.tokenizer, token_ids)

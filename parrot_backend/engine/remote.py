@@ -46,7 +46,7 @@ from .errors import (
 )
 from .interface import EngineStats, TokenDelta
 from .sampling import SamplingParams
-from .tokens import decode_tokens, encode_segment
+from .tokens import decode_tokens, encode_segment, special_token_ids
 
 # error `type` names the engine API sends -> our classes
 _BY_TYPE: dict[str, type[EngineError]] = {cls.__name__: cls for cls in HTTP_STATUS}
@@ -135,6 +135,7 @@ class RemoteEngine:
         self.special_tokens: dict[str, str] = dict(info.get("special_tokens") or {})
         self.eos_ids = frozenset(info.get("eos_token_ids") or ())
         self.tokenizer = tokenizer
+        self.special_token_ids = special_token_ids(tokenizer)
         self.control_timeout_s = control_timeout_s
         self._owns_client = client is None
         self._client = client or self.make_client(self.base_url, api_key)
@@ -243,9 +244,9 @@ class RemoteEngine:
         return f"RemoteEngine({self.base_url!r}, model={self.model_name!r})"
 
     # ------------------------------------------------------------------ local
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, *, data: bool = False) -> list[int]:
         """Token ids for a text segment, without special tokens (as `Engine.tokenize`)."""
-        return encode_segment(self.tokenizer, text)
+        return encode_segment(self.tokenizer, text, data=data)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return decode_tokens(self.tokenizer, token_ids)

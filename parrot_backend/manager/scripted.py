@@ -67,8 +67,8 @@ class ScriptedEngine:
     children: Counter[Hashable] = field(default_factory=Counter)  # live children per context
     used_tokens: int = 0  # tokens held by all contexts (forks counted again), for stats()
 
-    def tokenize(self, text: str) -> list[int]:
-        """UTF-8 bytes."""
+    def tokenize(self, text: str, *, data: bool = False) -> list[int]:
+        """UTF-8 bytes (this tokenizer has no special tokens: `data` changes nothing)."""
         return list(text.encode())
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -251,7 +251,7 @@ class NoopEngine:
             steps=0,
         )
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, *, data: bool = False) -> list[int]:
         """UTF-8 bytes (as ScriptedEngine)."""
         return list(text.encode())
 

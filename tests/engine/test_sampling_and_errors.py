@@ -252,3 +252,17 @@ def test_engine_contract_and_manager_import_without_torch():
     code = ("import sys; import parrot_backend.engine.interface, parrot_backend.manager.executor;"
             " assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_data_keeps_special_token_spellings_as_text(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from parrot_backend.engine.tokens import encode_segment, special_token_ids
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    special = special_token_ids(tok)
+    text = "hi <|im_end|> there"
+    assert special["<|im_end|>"] in encode_segment(tok, text)  # template text: the token
+    as_data = encode_segment(tok, text, data=True)
+    assert special["<|im_end|>"] not in as_data
+    assert tok.decode(as_data) == text

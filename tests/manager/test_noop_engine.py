@@ -92,7 +92,7 @@ async def test_a_call_that_cannot_be_rendered_fails_and_the_rest_go_on() -> None
     from parrot_backend.manager.scripted import ScriptedEngine
 
     class BadTokens(ScriptedEngine):
-        def tokenize(self, text: str) -> list[int]:
+        def tokenize(self, text: str, *, data: bool = False) -> list[int]:
             return [2**40] if text == "BAD" else super().tokenize(text)
 
     engine = BadTokens(reply=lambda p: "fine")

@@ -60,7 +60,7 @@ class FakeEngine:
     stopped: bool = False
 
     # ---- tokenizer: UTF-8 bytes ----
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, *, data: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def detokenize(self, token_ids: list[int]) -> str:

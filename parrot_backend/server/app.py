@@ -95,6 +95,10 @@ def create_app(
         app.include_router(native_api.router, dependencies=backlog)
         app.include_router(native_events.router)
         app.include_router(native_workflows.router, dependencies=backlog)
+        from . import ui  # the web page at /ui (`/` redirects there) and its events grants
+
+        app.include_router(ui.router)
+        ui.mount_static(app)
     if registry is not None:  # remote engines register here (operator key)
         app.include_router(registry.router)
     # Added last = outermost: auth first (cheap, rejects strangers before we buffer their

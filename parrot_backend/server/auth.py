@@ -1,16 +1,26 @@
 """Bearer API keys, checked in an ASGI middleware so every route is closed by default.
 
 A route added later (the native API, the engine API) is protected without anyone
-remembering a dependency; only the paths in `OPEN_PATHS` answer without a key.
+remembering a dependency; only the paths in `OPEN_PATHS` (and the web page's static files
+under `UI_STATIC_PREFIX`) answer without a key.
+
+One exception for browsers: `EventSource` cannot send an Authorization header, so a
+run's event stream (`GET /v1/runs/{id}/events`, that route only) also accepts an
+*events grant*: a cookie minted by an authenticated `POST /v1/runs/{id}/events/grant`
+(`ui.py`), HMAC-signed by the server, naming one tenant and one run, valid for
+`GRANT_TTL_S` seconds, HttpOnly, SameSite=Strict and sent only on that run's events path.
+The API key itself never travels in a URL, so it never lands in access logs.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import inspect
 import json
 import re
+import time
 from collections.abc import Iterable
 
 from starlette.requests import Request
@@ -19,7 +29,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import error_body
 from .settings import ServerSettings
 
-OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+                        "/", "/ui"})
+UI_STATIC_PREFIX = "/ui/static/"  # the web page's files (no data: the page asks for a key)
 # routes that check the operator key themselves (engine registration): tenant keys are not
 # what protects them, so the tenant middleware lets them through to that check
 OPERATOR_PREFIX = "/v1/engines"
@@ -60,6 +72,60 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+GRANT_COOKIE = "parrot_events"
+GRANT_TTL_S = 120  # short: a grant is checked when a stream (re)connects, the page renews it
+_EVENTS_PATH = re.compile(r"/v1/runs/([0-9a-f]{32})/events")
+_GRANT_CONTEXT = b"parrot-events-grant/1"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def grant_key(secret: bytes) -> bytes:
+    """The HMAC key of events grants, derived from the server's secret (`salt_secret`) so
+    it is never the salt itself; servers sharing that secret accept each other's grants."""
+    return hmac.new(secret, _GRANT_CONTEXT, hashlib.sha256).digest()
+
+
+def mint_events_grant(key: bytes, tenant: str, run_id: str, *, ttl_s: float = GRANT_TTL_S,
+                      now: float | None = None) -> str:
+    """A signed grant to read `run_id`'s events as `tenant` until `now + ttl_s`."""
+    expires = int((time.time() if now is None else now) + ttl_s)
+    body = _b64(json.dumps({"t": tenant, "r": run_id, "e": expires},
+                           separators=(",", ":")).encode("utf-8", "surrogatepass"))
+    sig = _b64(hmac.new(key, body.encode("ascii"), hashlib.sha256).digest())
+    return f"{body}.{sig}"
+
+
+def events_grant_tenant(key: bytes, token: str | None, run_id: str, *,
+                        now: float | None = None) -> str | None:
+    """The tenant of a valid, unexpired grant for `run_id`; None for anything else
+    (forged, altered, expired, for another run, malformed)."""
+    if not token or token.count(".") != 1 or len(token) > 2048:
+        return None
+    body, sig = token.split(".")
+    want = _b64(hmac.new(key, body.encode("ascii", "replace"), hashlib.sha256).digest())
+    if not hmac.compare_digest(sig, want):
+        return None
+    try:
+        claims = json.loads(_unb64(body))
+    except ValueError:
+        return None
+    if not isinstance(claims, dict) or claims.get("r") != run_id:
+        return None
+    expires, tenant = claims.get("e"), claims.get("t")
+    if not isinstance(expires, int) or not isinstance(tenant, str) or not tenant:
+        return None
+    if (time.time() if now is None else now) >= expires:
+        return None
+    return tenant
+
+
 class Authenticator:
     """Resolves a bearer key to a tenant through the static keys, then the pluggable lookup."""
 
@@ -68,6 +134,7 @@ class Authenticator:
         # Look keys up by digest so the dict probe does not compare secrets byte by byte.
         self._keys = {_digest(k): tenant for k, tenant in settings.api_keys.items()}
         self._lookup = settings.key_lookup
+        self.grant_key = grant_key(settings.salt_secret)
 
     async def tenant_for(self, key: str | None) -> str | None:
         if not self.enabled:
@@ -109,12 +176,25 @@ class AuthMiddleware:
             return
         state = scope.setdefault("state", {})
         path = scope["path"]
-        if path in OPEN_PATHS or path == OPERATOR_PREFIX or path.startswith(OPERATOR_PREFIX + "/"):
+        if (path in OPEN_PATHS or path.startswith(UI_STATIC_PREFIX) or path == OPERATOR_PREFIX
+                or path.startswith(OPERATOR_PREFIX + "/")):
             state["tenant"] = None
             await self.app(scope, receive, send)
             return
-        header = Request(scope).headers.get("authorization")
+        request = Request(scope)
+        header = request.headers.get("authorization")
         tenant = await self.authenticator.tenant_for(bearer_key(header))
+        if tenant is None and header is None and scope.get("method") == "GET":
+            # a browser's EventSource: an events grant, for the events route only
+            match = _EVENTS_PATH.fullmatch(path)
+            if match is not None and GRANT_COOKIE in request.cookies:
+                tenant = events_grant_tenant(self.authenticator.grant_key,
+                                             request.cookies[GRANT_COOKIE], match.group(1))
+                if tenant is None:
+                    if self.on_reject is not None:
+                        self.on_reject("auth")
+                    await _send_401(scope, send, False, "invalid or expired events grant")
+                    return
         if tenant is None:
             if self.on_reject is not None:
                 self.on_reject("auth")
@@ -124,8 +204,9 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _send_401(scope: Scope, send: Send, missing: bool) -> None:
-    message = (
+async def _send_401(scope: Scope, send: Send, missing: bool,
+                    message: str | None = None) -> None:
+    message = message or (
         "missing API key: send 'Authorization: Bearer <key>'" if missing
         else "invalid API key"
     )

@@ -1,0 +1,203 @@
+"""The /ui page in headless Chromium against a live server on a scripted engine (auth
+off, as `serve` on loopback): runs stream into the page, the stream survives dropped
+connections, stored runs open and replay, and a big run stays cheap to show."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from .conftest import ARTIFACTS, save_screenshot
+from .pagekit import (
+    api_detail,
+    api_events,
+    api_values,
+    chat_call,
+    open_page,
+    start_run,
+    streamed_by_variable,
+    wait_finished,
+)
+from .support import CutProxy, live_app, reply_for
+
+
+@pytest.fixture(scope="module")
+def app():
+    """One live server for the module (auth off, loopback)."""
+    with live_app() as app:
+        yield app
+
+
+@pytest.fixture(autouse=True)
+def _engine_defaults(app):
+    app.engine.delay_s = 0.0
+    app.engine.reply = reply_for()
+
+
+def test_playwright_drives_debian_chromium(browser, page, app):
+    """The pinned Playwright still talks to Debian's Chromium (it is built against a newer
+    one): launch, load a page, run a script, take a screenshot."""
+    assert int(browser.version.split(".")[0]) >= 120
+    page.goto(app.url + "/healthz")
+    assert json.loads(page.inner_text("body")) == {"status": "ok"}
+    assert page.evaluate("() => 6 * 7") == 42
+    assert page.screenshot()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_root_redirects_to_the_page_and_examples_are_offered(page, app):
+    open_page(page, app.url, "/")
+    assert page.url == app.url + "/ui"
+    assert page.get_attribute("body", "data-auth") == "off"
+    options = page.eval_on_selector_all("#example option", "os => os.map(o => o.value)")
+    assert options == ["chain", "map-reduce", "multi-agent", ""]
+    # the chosen example's inputs become fields
+    assert page.get_attribute("#inputs textarea", "data-input") == "task"
+    page.select_option("#example", "map-reduce")
+    fields = page.eval_on_selector_all("#inputs textarea", "ts => ts.map(t => t.name)")
+    assert fields == ["chunk1", "chunk2", "chunk3", "chunk4"]
+    assert page.console_errors == []
+
+
+def test_example_run_streams_tokens_into_the_page_and_ends_with_the_apis_values(page, app):
+    app.engine.delay_s = 0.005  # tokens arrive one by one, not in one burst
+    open_page(page, app.url)
+    page.select_option("#example", "map-reduce")
+    page.click("#run")
+    page.wait_for_function("() => parrotUI.stream && parrotUI.stream.stats.tokens > 0 && "
+                           "!parrotUI.stream.closed")  # seen live, before the end
+    snap = wait_finished(page)
+    run_id = snap["runId"]
+    detail = api_detail(app.url, run_id)
+    events = api_events(app.url, run_id)
+    values = api_values(detail)
+    assert detail["run"]["status"] == "done" and snap["status"] == "done"
+    assert set(values) == {"summary1", "summary2", "summary3", "summary4", "digest"}
+    tokens = [e for e in events if e["event"] == "token"]
+    assert snap["stream"]["tokens"] == len(tokens) > 0
+    assert snap["stream"]["events"] == len(events) == snap["stream"]["lastSeq"]
+    assert snap["stream"]["duplicates"] == snap["stream"]["missing"] == 0
+    for name, value in values.items():
+        assert snap["variables"][name]["streamed"] == value, name
+        assert snap["variables"][name]["shown"] == value, name
+        assert snap["variables"][name]["status"] == "ready"
+    # the DAG: every call done, on its engine, the four maps one task group sharing the
+    # system prompt (a static prefix), the reduce apart
+    assert snap["dag"] == dict.fromkeys(["map1", "map2", "map3", "map4", "reduce"], "done")
+    prefixes = page.eval_on_selector_all(
+        "#dag g.call", "gs => Object.fromEntries(gs.map(g => [g.dataset.call, "
+        "g.dataset.prefix || null]))")
+    assert prefixes == {"map1": "P1", "map2": "P1", "map3": "P1", "map4": "P1",
+                        "reduce": None}
+    assert "shared static prefix" in page.inner_text("#prefix-legend")
+    groups = {c["task_group"] for c in detail["calls"] if c["name"].startswith("map")}
+    assert len(groups) == 1 and None not in groups
+    assert f"group {groups.pop()}" in page.text_content("#dag g[data-call=map1]")
+    assert "e0" in page.text_content("#dag g[data-call=reduce]")
+    # the timeline: a row per call, with the three phases of a call that ran
+    rows = page.eval_on_selector_all("#timeline .tl-row", "rs => rs.map(r => [r.dataset.call, "
+                                     "r.querySelectorAll('.tl-bar').length])")
+    assert rows == [[name, 3] for name in ("map1", "map2", "map3", "map4", "reduce")]
+    history = page.eval_on_selector_all("#history .history-item",
+                                        "bs => bs.map(b => b.dataset.runId)")
+    assert run_id in history
+    save_screenshot(page, "run-map-reduce")
+    assert page.console_errors == []
+
+
+def test_pasted_templates_get_input_fields_and_run(page, app):
+    open_page(page, app.url)
+    page.select_option("#example", "")
+    page.fill("#program-text", "Topic: {{input:topic}}. Title: {{output:title}}\n---\n"
+                               "Write about {{input:title}}: {{output:text}}")
+    page.wait_for_selector("#inputs textarea[data-input=topic]")
+    assert page.eval_on_selector_all("#inputs textarea", "ts => ts.length") == 1
+    page.fill("#inputs textarea[data-input=topic]", "parrot beaks")
+    page.fill("#max-tokens", "24")
+    page.click("#run")
+    snap = wait_finished(page)
+    detail = api_detail(app.url, snap["runId"])
+    assert detail["inputs"] == {"topic": "parrot beaks"}
+    assert detail["run"]["outputs"] == {"text": "latency"}
+    values = api_values(detail)
+    assert len(values["title"]) == 24  # the max tokens field reached the program
+    for name, value in values.items():
+        assert snap["variables"][name]["streamed"] == value
+    assert snap["dag"] == {"call1": "done", "call2": "done"}
+
+
+def test_bad_program_shows_the_servers_error(page, app):
+    open_page(page, app.url)
+    page.select_option("#example", "")
+    page.fill("#program-text", "no placeholder here")
+    page.click("#run")
+    page.wait_for_selector("#program-error:text('generates nothing')")
+    page.fill("#program-text", json.dumps({"calls": [{"template": "{{output:x}} {{input:x}}"}]}))
+    page.click("#run")
+    page.wait_for_function("() => document.querySelector('#program-error').textContent"
+                           ".includes('x')")
+    assert page.inner_text("#run-id") == "–"
+
+
+def _long_chain() -> dict:
+    """Three chat calls in a chain, 120 tokens each: a few seconds at 10 ms a token."""
+    return {"program": {"calls": [
+        chat_call("first", "Start about {{input:seed}}.", "a", 120),
+        chat_call("second", "Go on from {{input:a}}.", "b", 120),
+        chat_call("third", "End after {{input:b}}.", "c", 120)]},
+        "inputs": {"seed": "parrots"}, "outputs": {"c": "latency"}}
+
+
+def test_stream_resumes_after_network_cuts_with_no_token_lost_or_repeated(page, app):
+    """Two outages through a proxy the test controls: first every connection drops
+    inside a token event (the browser holds half an event) and new connections are
+    refused for a while; then a plain drop. The page reconnects after the last event it
+    saw each time; what it shows equals the whole log, event for event."""
+    app.engine.delay_s = 0.01
+    app.engine.reply = reply_for(length=400)
+    proxy = CutProxy(app.port)
+    try:
+        open_page(page, proxy.url)
+        run_id = start_run(page, _long_chain())
+        page.wait_for_function("() => parrotUI.stream.stats.tokens >= 40")
+        proxy.block()
+        proxy.cut_mid_event()
+        at_cut = page.evaluate("() => parrotUI.stream.stats.tokens")
+        page.wait_for_function("() => parrotUI.stream.stats.tokens === "
+                               f"{at_cut} && document.querySelector('#stream-state')"
+                               ".dataset.state === 'reconnecting'")
+        time.sleep(1.5)  # the run goes on while the page is cut off
+        during = page.evaluate("() => parrotUI.stream.stats.tokens")
+        page_seq = page.evaluate("() => parrotUI.stream.lastSeq")
+        server_seq = app.store.last_event_seq(run_id)  # what the server committed meanwhile
+        proxy.unblock()
+        page.wait_for_function(f"() => parrotUI.stream.stats.tokens > {during} + 20")
+        assert proxy.cut() > 0  # second outage: a plain drop, reconnect at once
+        snap = wait_finished(page)
+    finally:
+        proxy.close()
+    events = api_events(app.url, run_id)
+    tokens = [e for e in events if e["event"] == "token"]
+    stats = snap["stream"]
+    counts = {"tokens_total": len(tokens), "page_tokens": stats["tokens"],
+              "page_tokens_at_first_cut": at_cut, "page_last_event_during_outage": page_seq,
+              "server_last_event_during_outage": server_seq,
+              "events_total": len(events), "page_events": stats["events"],
+              "duplicates": stats["duplicates"], "missing": stats["missing"],
+              "reconnects": stats["reconnects"], "refused_while_blocked": proxy.refused}
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "resume-counts.json").write_text(json.dumps(counts, indent=2))
+    print("resume counts:", counts)
+    assert during == at_cut  # nothing arrived while cut off
+    assert server_seq > page_seq  # but the run went on
+    assert stats["reconnects"] >= 2 and proxy.refused >= 1
+    assert stats["duplicates"] == 0 and stats["missing"] == 0
+    assert stats["tokens"] == len(tokens) == 360
+    assert stats["events"] == len(events) == stats["lastSeq"]
+    streamed = streamed_by_variable(events)
+    values = api_values(api_detail(app.url, run_id))
+    for name in ("a", "b", "c"):
+        assert snap["variables"][name]["streamed"] == streamed[name] == values[name]
+        assert snap["variables"][name]["tokens"] == 120
+    save_screenshot(page, "run-after-network-cuts")

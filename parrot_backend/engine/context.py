@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import chain_hash, root_hash
 from .detokenizer import Detokenizer
+from .grammar import GrammarState
 from .sampler import Sampler
 from .sampling import SamplingParams
 
@@ -40,6 +41,10 @@ class Context:
         self.freed = False
         self.last_used = 0  # scheduler clock at its last step; idle KV is evicted LRU
         self._hashes: list[int] = []  # chain hash after each full block
+        # the grammar state of the last constrained generation, while the context still ends
+        # where it left off (`GrammarState.end`): a generation under the same constraint, on
+        # this context or on a fork of it, continues it (the fork gets a copy when it attaches)
+        self.grammar: GrammarState | None = None
 
     def block_hash(self, k: int) -> int:
         """Chain hash of the first k full blocks (the salt starts the chain)."""

@@ -26,12 +26,13 @@ from .errors import (
     RequestCancelled,
     StepFailed,
 )
+from .grammar import GrammarCompiler, GrammarError
 from .interface import EngineStats, TokenDelta
 from .model_files import DEFAULT_MODEL, resolve_model
 from .models.loader import load_config, load_model
 from .runner import Batch, ModelRunner, StepResult
-from .sampler import Sampler
-from .sampling import SamplingParams
+from .sampler import Sampler, grammar_masks
+from .sampling import Constraint, SamplingParams
 from .scheduler import Scheduler, Work
 from .threads import ThreadTuner, available_cores
 from .tokens import decode_tokens, encode_segment, special_token_ids
@@ -165,6 +166,8 @@ class Engine:
             copy_block=self.runner.copy_block,
             contexts=self.contexts,
         )
+        self._grammars: GrammarCompiler | None = None  # built by the first constraint
+        self._grammars_lock: asyncio.Lock | None = None
         self.tokens_computed = 0
         self.tokens_generated = 0
         self.steps = 0
@@ -320,6 +323,8 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling must be a SamplingParams")
         sampling.validate(self.vocab_size)
+        if sampling.constraint is not None:
+            await self._compile(sampling.constraint)
         if parent_id is None and context_id not in self.contexts:
             raise ContextNotFound(
                 f"unknown context {context_id!r}: generate continues an "
@@ -399,6 +404,38 @@ class Engine:
 
     def context_tokens(self, context_id: Hashable) -> list[int]:
         return list(self._get(context_id).tokens)
+
+    # ----------------------------------------------------------------- constraints
+    async def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of this engine's tokenizer, built on first use (it takes about half
+        a second: engines that never see a constraint never pay it)."""
+        if self._grammars is None:
+            if self._grammars_lock is None:
+                self._grammars_lock = asyncio.Lock()
+            async with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = await asyncio.to_thread(
+                        GrammarCompiler, self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
+
+    async def _compile(self, constraint: Constraint) -> None:
+        """Compile a constraint before its request is queued, off the event loop (a large
+        schema takes milliseconds); a refused one raises GrammarError (InvalidRequest)."""
+        compiler = await self.grammar_compiler()
+        if not compiler.is_cached(constraint):
+            await asyncio.to_thread(compiler.compile, constraint)
+
+    def _bind_grammar(self, req: Request) -> None:
+        """Give a constrained request its grammar state when it first runs: the context's
+        own state if it continues one (same constraint, nothing filled since, not finished;
+        a fork's copy of its parent's counts), else a fresh one."""
+        ctx, constraint = req.ctx, req.sampling.constraint
+        state = ctx.grammar
+        if (state is None or state.key != constraint.key or state.end != len(ctx.tokens)
+                or state.stopped):
+            state = self._grammars.start(constraint, len(ctx.tokens))
+            ctx.grammar = state
+        req.sampler.grammar = state
 
     # ----------------------------------------------------------------- internals
     def _check_alive(self) -> None:
@@ -503,12 +540,30 @@ class Engine:
                     continue
                 if self._fail_at_step is not None and self.steps >= self._fail_at_step:
                     raise RuntimeError(f"injected fault at step {self.steps}")
+                work = self._bind_grammars(work)
                 self._postprocess(work, await self._step(work))
         except Exception as exc:  # a device failure or a bug: no request is at fault
             log.exception("engine loop died")
             self.error = exc
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._fail(req, EngineDead(f"engine failed: {exc!r}"))
+
+    def _bind_grammars(self, work: list[Work]) -> list[Work]:
+        """Bind the grammar states of constrained requests starting in this step (on the loop
+        thread, between steps: the compute thread never sees a state change under it)."""
+        keep = work
+        for w in work:
+            req = w.req
+            if req.sampler is None or req.sampler.grammar is not None:
+                continue
+            if req.sampling.constraint is None:
+                continue
+            try:
+                self._bind_grammar(req)
+            except GrammarError as exc:  # evicted from the cache and now refused: unlikely
+                self._fail(req, exc)
+                keep = [x for x in keep if x.req is not req]
+        return keep
 
     async def _step(self, work: list[Work]) -> list[StepResult]:
         """Compute one step; returns each sequence's token, error or nothing.
@@ -544,6 +599,11 @@ class Engine:
 
     def _compute(self, batch: Batch) -> list[StepResult]:
         """One step on the compute thread, with the thread count the tuner picks."""
+        constrained = [s for s in batch.samplers if s is not None and s.grammar is not None]
+        if constrained:  # one bitmask for every constrained row of the step
+            masks = grammar_masks([s.grammar for s in constrained], self.vocab_size)
+            for sampler, mask in zip(constrained, masks, strict=True):
+                sampler.banned = mask
         threads = self.threads.before_step()
         began = time.perf_counter()
         out = self.runner.execute(batch)
@@ -596,15 +656,31 @@ class Engine:
         req.generated += 1
         self.tokens_generated += 1
         finish = None
+        grammar = req.sampler.grammar
         if token in req.eos_ids or token in p.stop_token_ids:
             text = req.detok.flush()
             finish = "stop"
         else:
             ctx.tokens.append(token)
             text = req.detok.add(token)
+            if grammar is not None:
+                try:
+                    grammar.consume(token)
+                except GrammarError as exc:
+                    self._fail(req, exc)
+                    return
+                grammar.end = len(ctx.tokens)
             if req.detok.stopped:
                 finish = "stop"
+            elif grammar is not None and grammar.stopped:
+                text += req.detok.flush()
+                finish = "stop"  # the grammar allows nothing more: done without an EOS step
             elif req.generated >= p.max_tokens or len(ctx.tokens) >= self.max_model_len:
+                if grammar is not None and p.constraint.require_complete and not grammar.accepting:
+                    self._fail(req, GrammarError(
+                        f"the {p.constraint.kind} constraint was not complete after "
+                        f"{req.generated} tokens (max_tokens={p.max_tokens}); raise max_tokens"))
+                    return
                 text += req.detok.flush()
                 finish = "length"
         if finish is not None:

@@ -5,15 +5,42 @@ Every finite, in-range setting yields a valid token (no NaN or infinity reaches
 (dividing float32 logits by them overflows), temperatures above `MAX_TEMPERATURE` are
 clamped to it (the distribution is uniform long before), and top-p always keeps the most
 likely token (a tiny top-p such as 1e-300 rounds to 0 in float32).
+
+A constrained request (`SamplingParams.constraint`) also has a grammar state; before each
+step the engine writes every constrained row's mask of disallowed tokens in one batch
+(`grammar_masks`), and the sampler sets those logits to -inf before it samples as usual.
+An unconstrained sampler never looks at a mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from .grammar import GrammarError, GrammarState
 from .sampling import SamplingParams
 
 MAX_TEMPERATURE = 1e4
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def grammar_masks(states: Sequence[GrammarState], vocab_size: int
+                  ) -> list[torch.Tensor | GrammarError]:
+    """Each state's disallowed tokens as a bool row of `vocab_size` (True: banned), computed
+    into one bitmask for the batch; a state whose matcher fails gets its error instead."""
+    words = (vocab_size + 31) // 32
+    bits = torch.zeros((len(states), words), dtype=torch.int32)
+    errors: dict[int, GrammarError] = {}
+    for i, state in enumerate(states):
+        try:
+            state.fill_mask(bits[i].data_ptr(), words * 4)
+        except GrammarError as exc:
+            errors[i] = exc
+    # bit j of word w allows token 32 * w + j (an arithmetic shift keeps the sign bit's 1)
+    banned = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).eq(0).reshape(len(states), -1)
+    banned = banned[:, :vocab_size]
+    return [errors.get(i, banned[i]) for i in range(len(states))]
 
 
 class Sampler:
@@ -21,6 +48,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
+        self.grammar: GrammarState | None = None  # bound by the engine when the request starts
+        self.banned: torch.Tensor | GrammarError | None = None  # this step's mask
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -31,6 +60,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Sample from a 1-D logits row (any float dtype)."""
+        if self.grammar is not None:
+            logits = self._constrain(logits)
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits).item())
@@ -51,3 +82,14 @@ class Sampler:
             # logits that were not finite to begin with (a broken model): greedy
             return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+    def _constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        banned = self.banned
+        self.banned = None  # a mask is good for one step only
+        if isinstance(banned, GrammarError):
+            raise banned
+        if banned is None:
+            raise GrammarError("constrained row sampled without its mask")
+        if bool(banned.all()):
+            raise GrammarError("the constraint allows no next token")
+        return logits.masked_fill(banned, float("-inf"))

@@ -8,6 +8,54 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequest
 
 MAX_TOP_K = 1_000_000
+CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "lark")
+MAX_CONSTRAINT_CHARS = 1_000_000  # a grammar's source text; compiling more is a DoS vector
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a generation's text must match; the engine masks every other token.
+
+    `kind` is one of `CONSTRAINT_KINDS`: `json_schema` (`spec`: the schema as JSON text,
+    whose property order is the order generated), `regex` (`spec`: a Rust-regex pattern
+    the whole text matches), `choice` (`spec`: a tuple of the allowed strings) or `lark`
+    (`spec`: an llguidance Lark grammar, e.g. tool calls with inline `%json` schemas).
+
+    `require_complete`: a generation that reaches `max_tokens` before the grammar accepts
+    fails (`InvalidRequest`) instead of ending with a partial text ("length"); typed
+    semantic variables use it so that a value that is set always matches.
+    """
+
+    kind: str
+    spec: str | tuple[str, ...]
+    require_complete: bool = False
+
+    @property
+    def key(self) -> tuple[str, str | tuple[str, ...]]:
+        """What the compiled grammar depends on (cache key; forks compare it)."""
+        return self.kind, self.spec
+
+    def validate(self) -> None:
+        """Raise InvalidRequest when the constraint is malformed (not when the grammar
+        library refuses it: that needs the library, see `engine.grammar.check`)."""
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequest(
+                f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.require_complete, bool):
+            raise InvalidRequest("constraint require_complete must be a boolean")
+        if self.kind == "choice":
+            if (not isinstance(self.spec, tuple) or not self.spec
+                    or not all(isinstance(c, str) and c for c in self.spec)):
+                raise InvalidRequest("a choice constraint needs a non-empty list of "
+                                     "non-empty strings")
+            size = sum(len(c) for c in self.spec)
+        else:
+            if not isinstance(self.spec, str) or not self.spec:
+                raise InvalidRequest(f"a {self.kind} constraint needs a non-empty string spec")
+            size = len(self.spec)
+        if size > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequest(f"the {self.kind} constraint is too large ({size} characters; "
+                                 f"at most {MAX_CONSTRAINT_CHARS})")
 
 
 @dataclass(slots=True)
@@ -25,6 +73,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # None: free text (the plain sampler path)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -64,6 +113,18 @@ class SamplingParams:
             for i in self.stop_token_ids
         ):
             raise InvalidRequest("stop_token_ids must be a list of token ids inside the vocabulary")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidRequest("constraint must be a Constraint")
+            self.constraint.validate()
+            # the grammar decides where the text ends: a stop string could cut a value short
+            # of matching, and ignoring EOS would run past the grammar's end
+            if self.stop:
+                raise InvalidRequest("stop strings cannot be combined with a constraint "
+                                     "(the grammar decides where the text ends)")
+            if self.ignore_eos:
+                raise InvalidRequest("ignore_eos cannot be combined with a constraint "
+                                     "(the grammar decides where the text ends)")
 
     @property
     def greedy(self) -> bool:

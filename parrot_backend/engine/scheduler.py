@@ -152,6 +152,9 @@ class Scheduler:
         ctx.num_computed = n
         ctx.kept_blocks = n // bs
         ctx.attached = True
+        grammar = parent.grammar
+        if grammar is not None and grammar.end == ctx.fork_len:
+            ctx.grammar = grammar.fork()  # the parent's grammar state at the fork point
 
     def _match_prefix(self, ctx: Context) -> None:
         """Take cached full blocks for the next uncomputed part of the context."""

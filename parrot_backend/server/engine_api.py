@@ -8,6 +8,9 @@ left most of its routes open). There is no way to turn the key off.
 
 Wire format
 - Context ids are JSON integers or strings, kept as such (`1` and `"1"` differ).
+- `sampling` mirrors `SamplingParams`; its `constraint` (constrained decoding) is
+  `{"kind", "spec", "require_complete"}`, `spec` a string (schema JSON, regex, Lark) or,
+  for `choice`, a list of strings. The engine compiles it; a refused one is a 400.
 - `POST /engine/generate` waits for the first token, so a bad request (unknown context,
   bad sampling, busy parent, no room) is an HTTP status like the other routes; then it
   streams **server-sent events**: one `data: {"token_id", "text", "finish_reason"}` frame
@@ -51,7 +54,7 @@ from ..engine.errors import (
     EngineError,
 )
 from ..engine.interface import EngineStats
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import CONSTRAINT_KINDS, Constraint, SamplingParams
 from .sse import ClosingEventSourceResponse
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,19 @@ class FillResponse(BaseModel):
     length: int = Field(description="the context's length in tokens after the fill")
 
 
+class ConstraintBody(_Body):
+    """Mirrors `Constraint`: `spec` is the schema's JSON text, the regex, the Lark grammar,
+    or the list of choices."""
+
+    kind: str = Field(description=f"one of {', '.join(CONSTRAINT_KINDS)}")
+    spec: StrictStr | list[StrictStr]
+    require_complete: bool = False
+
+    def constraint(self) -> Constraint:
+        spec = tuple(self.spec) if isinstance(self.spec, list) else self.spec
+        return Constraint(self.kind, spec, self.require_complete)
+
+
 class SamplingBody(_Body):
     """Mirrors `SamplingParams`; the engine validates the values (400 naming the field)."""
 
@@ -94,9 +110,12 @@ class SamplingBody(_Body):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
     ignore_eos: bool = False
+    constraint: ConstraintBody | None = None
 
     def params(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump())
+        fields = self.model_dump(exclude={"constraint"})
+        constraint = self.constraint.constraint() if self.constraint is not None else None
+        return SamplingParams(**fields, constraint=constraint)
 
 
 class GenerateRequest(_Body):

@@ -1,0 +1,189 @@
+"""Constrained decoding: constraints become llguidance grammars, compiled once per schema and
+tokenizer, and each constrained sequence owns a matcher that gives its next-token mask.
+
+Why llguidance (0.2.8 xgrammar and outlines-core 0.2.14 were measured beside it on
+SmolLM2's tokenizer; `benchmarks/README.md`, section "Constrained decoding"):
+
+- it refuses what it does not implement (`not`, `if`/`then`, `uniqueItems`, `contains`,
+  ...) with the keywords named, so an unsupported schema is a clear 400 instead of a grammar
+  that silently accepts values the schema forbids (xgrammar accepted all of these);
+- a schema compiles in about a millisecond and a mask costs tens of microseconds with no
+  precomputation (outlines-core builds a token automaton per schema: up to 8 s for one with
+  `patternProperties`, and masks of over a millisecond inside free strings);
+- a matcher's `deep_copy` takes about a microsecond, which makes a fork's grammar state and
+  the cache of compiled grammars (a pristine matcher per schema, copied per request) cheap;
+- the wheel needs nothing else (xgrammar pulls in torch, triton and transformers).
+
+This module imports no torch: the manager and the server check constraints with `check`
+(no tokenizer needed) before any engine work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Any
+
+import llguidance
+
+from .errors import InvalidRequest
+from .sampling import Constraint
+
+# Generated JSON is spelled the way `json.dumps` (and most training data) spells it, with
+# no other whitespace: a grammar with free whitespace lets a weak model pad forever.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+class GrammarError(InvalidRequest):
+    """The grammar library refuses the constraint (an unsupported JSON-schema keyword, a
+    malformed regex), or a matcher failed while generating."""
+
+
+def grammar_source(constraint: Constraint) -> str:
+    """The llguidance grammar (its serialized form) for a constraint; GrammarError when the
+    spec is not even well-formed (the grammar itself is checked by `check`)."""
+    kind, spec = constraint.kind, constraint.spec
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError as exc:
+            raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("json_schema must be a JSON object (or true)")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"json_schema: {exc}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        # Lark string literals take JSON's escapes, so any string is spelled exactly
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec)
+    raise GrammarError(f"unknown constraint kind {kind!r}")
+
+
+def _readable(kind: str, message: str) -> str:
+    """llguidance's message, with unsupported JSON-schema keywords named plainly."""
+    found = _UNIMPLEMENTED.search(message)
+    if found:
+        keys = [k.strip().strip('"') for k in found.group(1).split(",") if k.strip()]
+        return (f"json_schema uses keywords the grammar engine does not support: "
+                f"{', '.join(keys)}")
+    # one line (it goes into JSON error bodies); regex errors span several
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    text = text[:500] or "invalid grammar"
+    return text if text.startswith(kind) else f"{kind}: {text}"
+
+
+@lru_cache(maxsize=1024)
+def _problem(kind: str, spec: str | tuple[str, ...]) -> str:
+    try:
+        source = grammar_source(Constraint(kind, spec))
+    except GrammarError as exc:
+        return str(exc)
+    message = llguidance.LLMatcher.validate_grammar(source, None)
+    return _readable(kind, message) if message else ""
+
+
+def check(constraint: Constraint) -> None:
+    """Raise GrammarError (an InvalidRequest) unless the grammar library accepts the
+    constraint; needs no tokenizer, so a manager or server node checks before sending."""
+    constraint.validate()
+    problem = _problem(constraint.kind, constraint.spec)
+    if problem:
+        raise GrammarError(problem)
+
+
+class GrammarState:
+    """One sequence's position in its grammar; a fork gets a copy (`fork`).
+
+    `end` is the context length this state describes: the state is only continued by a
+    generation on a context of exactly that length (no fill came in between)."""
+
+    __slots__ = ("key", "matcher", "end")
+
+    def __init__(self, key: tuple, matcher: llguidance.LLMatcher, end: int) -> None:
+        self.key = key
+        self.matcher = matcher
+        self.end = end
+
+    def fork(self) -> GrammarState:
+        """An independent copy, for a context forked from this one."""
+        return GrammarState(self.key, self.matcher.deep_copy(), self.end)
+
+    def fill_mask(self, pointer: int, nbytes: int) -> None:
+        """Write the next-token bitmask (one bit per token id, 32 per int32) at `pointer`;
+        GrammarError if the matcher is in an error state (a grammar too complex to step)."""
+        self.matcher.unsafe_compute_mask_ptr(pointer, nbytes)
+        if self.matcher.is_error():
+            raise GrammarError(f"constrained decoding failed: {self.matcher.get_error()}")
+
+    def consume(self, token_id: int) -> None:
+        """Advance past a sampled token; GrammarError if the grammar does not allow it."""
+        if not self.matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} does not fit the constraint: "
+                               f"{self.matcher.get_error()}")
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the text so far is complete (the generation may end here)."""
+        return self.matcher.is_accepting()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the grammar allows nothing more (the generation ends here)."""
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; compiled grammars are kept by their spec (a
+    pristine matcher each, copied for every request: `start`)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int],
+                 *, max_cached: int = 256) -> None:
+        from llguidance.hf import from_tokenizer
+
+        eos = sorted(eos_ids)
+        self.vocab_size = vocab_size
+        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        self.max_cached = max_cached
+        self.hits = 0
+        self.misses = 0
+        self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # compiles may run on worker threads
+
+    def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """The pristine matcher of a constraint (cached); GrammarError if refused."""
+        key = constraint.key
+        with self._lock:
+            matcher = self._cache.get(key)
+            if matcher is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return matcher
+        check(constraint)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_source(constraint), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_readable(constraint.kind, matcher.get_error()))
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = matcher
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def is_cached(self, constraint: Constraint) -> bool:
+        with self._lock:
+            return constraint.key in self._cache
+
+    def start(self, constraint: Constraint, end: int) -> GrammarState:
+        """A fresh state at the grammar's start, for a context of length `end`."""
+        return GrammarState(constraint.key, self.compile(constraint).deep_copy(), end)

@@ -127,10 +127,10 @@ def decision_path(n_runs: int) -> None:
     from parrot_backend.manager.ingest import CallBuilder
     from parrot_backend.manager.objectives import deduce_shared
     from parrot_backend.manager.policy import EngineSnapshot, PendingCall, schedule
-    from parrot_backend.manager.render import TokenCache, render_call
+    from parrot_backend.manager.render import PromptTokenizer, render_call
 
     engine = noop_engine()
-    tokens = TokenCache(engine.tokenize)
+    tokens = PromptTokenizer.for_engine(engine)
     builder = CallBuilder()
     specs = [map_reduce(i) for i in range(n_runs)]
     start = time.perf_counter()

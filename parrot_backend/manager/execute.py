@@ -7,7 +7,7 @@ Stop strings: a generation that stops on a stop string leaves the stop text's to
 its context, although the variable's value excludes them. When more of the template
 follows such an output, the output is generated in a child context; if it stopped with
 `finish_reason == "stop"` and the output has stop strings, the manager forks another
-child from the context before the output and fills the value's tokens (segment-wise, like
+child from the context before the output and fills the value's tokens (as data, like
 any value), so the context holds exactly the template with the value substituted. (An EOS
 stop needs no re-fill, but the two cannot be told apart from the stream, so both re-fill:
 the rule is the same in every path and tests' reference path follows it.) Otherwise the

@@ -1,9 +1,9 @@
 """The run executor: runs programs on engines, with no client round trip between calls.
 
 `Manager` holds N engines (one model) and the runs. A call whose inputs all have values
-is *ready*: it is rendered (segment-wise tokens, `render.py`), its prefixes are computed
-(`prefix.py`), and it waits for the dispatcher. Each dispatcher round takes every ready
-call, picks which prefixes to share (`sharing.py`), asks `policy.schedule` for engines,
+is *ready* and waits for the dispatcher. A round renders the ready calls it offers for the
+first time (the prompt tokenized as one text, and its shareable prefixes: `render.py`,
+`prefix.py`), picks which prefixes to share (`sharing.py`), asks `policy.schedule` for engines,
 and starts the assigned calls. With a backlog, a round offers the policy only as many
 calls as the engines have batch slots (`Manager._window`: aged, then latency, then
 throughput calls, each run its fair share first); a task group's members all count
@@ -73,7 +73,7 @@ from .ingest import CallBuilder
 from .objectives import deduce_shared
 from .policy import EngineSnapshot, PendingCall, PolicyConfig, schedule
 from .prefix import Prefix
-from .render import CallPlan, Step, TokenCache, render_call
+from .render import CallPlan, PromptTokenizer, Step, render_call
 from .runs import (
     CallStatus,
     Run,
@@ -164,7 +164,7 @@ class Manager:
         self.clock = clock
         self.runs: dict[str, Run] = {}
         self.builder = CallBuilder()
-        self.tokens = TokenCache(next(iter(self.engines.values())).tokenize)
+        self.tokens = PromptTokenizer.for_engine(next(iter(self.engines.values())))
         self.sharing = SharedPrefixes(self.engines, clock, self._engine_kwargs)
         self.dispatch_delays: deque[float] = deque(maxlen=self.config.delay_samples)
         self.round_durations: deque[float] = deque(maxlen=self.config.delay_samples)
@@ -818,7 +818,7 @@ class Manager:
             self.engines[engine_id],
             run.salt,
             self._engine_kwargs(engine_id, priority),
-            self.tokens,
+            self.tokens.value,
         )
         keys: list[str] = []
         error: str | None = None

@@ -1,9 +1,8 @@
-"""Prefix analysis: which token prefixes calls share, and where filled prefixes live.
+"""Prefix analysis: where shareable prefixes end, their keys, and where filled ones live.
 
-Tokenization is segment-wise: a call's tokens are the concatenation of each segment's
-tokens, text segments and substituted values each tokenized alone. So the tokens of a
-prefix that ends at a segment boundary are the same in every call that has it, and equal
-prefixes get equal keys whatever template they come from.
+A call's tokens and the tokens of its prefixes come from `render.py` (the prompt is
+tokenized as one text; a prefix is the part of it that every call with the same text up
+to a boundary has). Equal prefixes get equal keys whatever template they come from.
 
 Prefixes considered (boundaries, as segment counts, before the call's first output):
 
@@ -26,23 +25,14 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
-import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from parrot_backend.program import Call, InputRef, OutputRef, Segment, Text
-
-Tokenize = Callable[[str], Sequence[int]]
+from parrot_backend.program import InputRef, OutputRef, Segment, Text
 
 _VERSION = b"parrot-prefix/1\0"  # bump when the key layout changes: old keys must not match
-
-
-def static_prefix(call: Call) -> str:
-    """The constant text before the call's first variable ("" when it starts with one)."""
-    first = call.segments[0] if call.segments else None
-    return first.text if isinstance(first, Text) else ""
 
 
 def prefix_boundaries(segments: Sequence[Segment]) -> list[int]:
@@ -69,7 +59,6 @@ def prefix_boundaries(segments: Sequence[Segment]) -> list[int]:
 _CACHE_SIZE = 4096
 _CUTS: dict[int, tuple[tuple[Segment, ...], list[int]]] = {}
 _BASES: dict[tuple[str, str | bytes | None], hashlib.blake2b] = {}
-_LEADING: dict[tuple[int, int, str, str | bytes | None], tuple[Any, Any, Any, Any]] = {}
 
 
 def _boundaries(segments: Sequence[Segment]) -> list[int]:
@@ -84,21 +73,6 @@ def _boundaries(segments: Sequence[Segment]) -> list[int]:
         _CUTS.clear()
     _CUTS[id(segments)] = (segments, cuts)
     return cuts
-
-
-def segment_tokens(
-    segments: Sequence[Segment], values: Mapping[str, str], tokenize: Tokenize, stop: int
-) -> list[list[int]]:
-    """Tokens of `segments[:stop]`, each segment tokenized alone. Inputs need a value."""
-    out: list[list[int]] = []
-    for seg in segments[:stop]:
-        if isinstance(seg, Text):
-            out.append(tokenize(seg.text))
-        elif isinstance(seg, InputRef):
-            out.append(tokenize(values[seg.name]))
-        else:
-            raise ValueError(f"output {seg.name!r} has no tokens before it is generated")
-    return out
 
 
 def _hasher(model: str, salt: str | bytes | None) -> hashlib.blake2b:
@@ -145,50 +119,6 @@ class Prefix(NamedTuple):
     n_tokens: int
 
 
-def call_prefixes(
-    model: str,
-    segments: Sequence[Segment],
-    values: Mapping[str, str],
-    tokenize: Tokenize,
-    salt: str | bytes | None,
-    pieces: Sequence[list[int]] | None = None,
-) -> list[Prefix]:
-    """The call's prefixes at every boundary, shortest first; empty prefixes are skipped.
-
-    `values` must hold every input before the first output. Each key equals
-    `prefix_key(model, tokens[:n_tokens], salt)`; the hash runs once over the tokens.
-    `pieces`, when given, are the tokens of each segment before the first output, as
-    `tokenize` gives them (`render.plan_and_pieces`): they are not tokenized again.
-    """
-    cuts = _boundaries(segments)
-    if not cuts:
-        return []
-    out: list[Prefix] = []
-    done = n_tokens = 0
-    lead = _leading(segments, tokenize, model, salt) if cuts[0] == 1 else None
-    if lead is not None:  # the leading text's hash state and prefix, cached
-        h = lead[0].copy()
-        if lead[1] is not None:
-            out.append(lead[1])
-            n_tokens = lead[1].n_tokens
-        done = 1
-    else:
-        h = _base(model, salt).copy()
-    skip = done  # pieces[i] is segment skip + i
-    if pieces is None:
-        pieces = segment_tokens(segments[skip : cuts[-1]], values, tokenize, cuts[-1] - skip)
-    else:
-        pieces = pieces[skip : cuts[-1]]
-    for cut in cuts:
-        for piece in pieces[done - skip : cut - skip]:
-            h.update(_pack(piece))
-            n_tokens += len(piece)
-        done = cut
-        if n_tokens and (not out or out[-1].n_tokens != n_tokens):
-            out.append(Prefix(h.copy().hexdigest(), cut, n_tokens))
-    return out
-
-
 def _base(model: str, salt: str | bytes | None) -> hashlib.blake2b:
     base = _BASES.get((model, salt))
     if base is None:
@@ -196,37 +126,6 @@ def _base(model: str, salt: str | bytes | None) -> hashlib.blake2b:
             _BASES.clear()
         base = _BASES[(model, salt)] = _hasher(model, salt)
     return base
-
-
-def _leading(
-    segments: Sequence[Segment],
-    tokenize: Tokenize,
-    model: str,
-    salt: str | bytes | None,
-) -> tuple[hashlib.blake2b, Prefix | None] | None:
-    """The hash state after the leading text segment and its prefix (None when the text
-    has no tokens), cached per segments tuple, tokenizer, model and salt: calls of one
-    workflow share their segments, so every run hashes its system prompt once. None
-    when the first segment is not text or the call's segments cannot be cached."""
-    first = segments[0]
-    if type(segments) is not tuple or not isinstance(first, Text):
-        return None
-    key = (id(segments), id(tokenize), model, salt)
-    hit = _LEADING.get(key)
-    if hit is not None and hit[0] is segments and hit[1]() is tokenize:
-        return hit[2], hit[3]
-    try:
-        ref = weakref.ref(tokenize)  # a tokenizer id must not be reused while cached
-    except TypeError:
-        return None
-    piece = tokenize(first.text)
-    h = _base(model, salt).copy()
-    h.update(_pack(piece))
-    prefix = Prefix(h.copy().hexdigest(), 1, len(piece)) if piece else None
-    if len(_LEADING) >= _CACHE_SIZE:
-        _LEADING.clear()
-    _LEADING[key] = (segments, ref, h, prefix)
-    return h, prefix
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """Manager end to end on the real engine (greedy): outputs equal running each call alone.
 
 The reference path runs every call by itself, in dependency order, on a fresh engine with
-no sharing: fill the rendered prompt (segment-wise tokens) into a new context, generate,
-fill what follows, generate the next output. After an output that stopped on a stop string
+no sharing: fill the rendered prompt (tokenized as one text, as a request-level client
+would send it) into a new context, generate, fill what follows (each segment alone),
+generate the next output. After an output that stopped on a stop string
 with more to generate, it starts a fresh context holding the tokens before the output plus
 the value's tokens: the same rule the manager follows (see manager/execute.py).
 """
@@ -16,6 +17,7 @@ import pytest
 
 from parrot_backend.engine.engine import Engine
 from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.render import PromptTokenizer
 from parrot_backend.program import InputRef, OutputRef, RunSpec, Text
 
 _ref_ids = itertools.count()
@@ -33,12 +35,12 @@ async def run_alone(engine: Engine, spec: RunSpec) -> dict[str, str]:
     for name in program.topological_calls():
         call = program.calls[name]
         ctx = f"ref:{next(_ref_ids)}"
-        tokens: list[int] = []
+        text = ""
         segments = list(call.segments)
         while segments and not isinstance(segments[0], OutputRef):
             seg = segments.pop(0)
-            tokens += engine.tokenize(seg.text if isinstance(seg, Text) else values[seg.name])
-        await engine.fill(ctx, None, tokens)
+            text += seg.text if isinstance(seg, Text) else values[seg.name]
+        await engine.fill(ctx, None, engine.tokenize(text))
         contexts = [ctx]
         while segments:
             out = segments.pop(0)
@@ -49,15 +51,17 @@ async def run_alone(engine: Engine, spec: RunSpec) -> dict[str, str]:
             more = any(isinstance(s, OutputRef) for s in segments)
             if more and config.stop and deltas[-1].finish_reason == "stop":
                 ctx = f"ref:{next(_ref_ids)}"
-                await engine.fill(ctx, None, before + engine.tokenize(values[out.name]))
+                await engine.fill(ctx, None,
+                                  before + engine.tokenize(values[out.name], data=True))
                 contexts.append(ctx)
             following: list[int] = []
             while segments and not isinstance(segments[0], OutputRef):
                 seg = segments.pop(0)
                 assert isinstance(seg, (Text, InputRef))
-                following += engine.tokenize(
-                    seg.text if isinstance(seg, Text) else values[seg.name]
-                )
+                if isinstance(seg, Text):
+                    following += engine.tokenize(seg.text)
+                else:
+                    following += engine.tokenize(values[seg.name], data=True)
             if following and more:
                 await engine.fill(ctx, None, following)
         for c in reversed(contexts):
@@ -174,11 +178,17 @@ async def test_multi_agent_dynamic_prefix_filled_once(tiny_model_dir) -> None:
     want, ref_computed = await reference(tiny_model_dir, program)
     got, manager, engine = await managed(tiny_model_dir, program)
     assert got == want
-    # "Team plan: <plan>" is one prefix context (forked from the static "Team plan: ")
-    plan_tokens = len(engine.tokenize("Team plan: ")) + len(engine.tokenize(got[0]["plan"]))
+    # "Team plan: <plan>" is one prefix context (forked from the static "Team plan:"), each
+    # up to the start of its last pre-token (render.py)
+    tokens = PromptTokenizer.for_engine(engine)
+
+    def shared(text: str) -> int:
+        return len(tokens.text(text[: tokens.stable_cut(text)]))
+
+    plan_tokens = shared("Team plan: " + got[0]["plan"])
     table = manager.sharing.table
     [dynamic] = [table.get(k) for k in table.held("e0") if table.get(k).n_tokens == plan_tokens]
-    assert table.get(dynamic.parent).n_tokens == len(engine.tokenize("Team plan: "))
+    assert table.get(dynamic.parent).n_tokens == shared("Team plan: ")
     saved = ref_computed - engine.stats_now().tokens_computed
     assert saved >= (agents - 1) * plan_tokens
     assert started_after_ready(manager, "plan", "agent0")

@@ -9,7 +9,7 @@ import pytest
 
 from parrot_backend.manager.executor import Manager
 from parrot_backend.manager.prefix import Prefix
-from parrot_backend.manager.render import TokenCache, plan_call
+from parrot_backend.manager.render import PromptTokenizer, plan_call
 from parrot_backend.manager.runs import RunCancelled, RunClosedError, RunNotFound, VariableFailed
 from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import Call, CallSpec, RunSpec
@@ -26,14 +26,13 @@ def echo(prompt: str) -> str:
     return f"<{prompt.split()[-1] if prompt.split() else ''}>"
 
 
-async def test_plan_tokens_are_the_concatenation_of_segment_tokens() -> None:
+async def test_plan_prompt_is_the_whole_prompt_text_tokenized() -> None:
     engine = ScriptedEngine()
     call = Call.from_template(
         "c", "Sys: {{input:a}} and {{input:b}}! {{output:x}} tail {{output:y}} never"
     )
-    plan = plan_call(call, {"a": "1", "b": "22"}, TokenCache(engine.tokenize))
-    pieces = ["Sys: ", "1", " and ", "22", "! "]
-    assert plan.prompt == [t for p in pieces for t in engine.tokenize(p)]
+    plan = plan_call(call, {"a": "1", "b": "22"}, PromptTokenizer.for_engine(engine))
+    assert plan.prompt == engine.tokenize("Sys: 1 and 22! ")
     assert [s.output for s in plan.steps] == ["x", "y"]
     assert plan.steps[0].then == engine.tokenize(" tail ")
     assert plan.steps[1].then == []  # text after the last output is never filled

@@ -6,15 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parrot_backend.manager.prefix import (
-    Prefix,
-    PrefixTable,
-    call_prefixes,
-    prefix_boundaries,
-    prefix_key,
-    segment_tokens,
-    static_prefix,
-)
+from parrot_backend.manager.prefix import Prefix, PrefixTable, prefix_boundaries, prefix_key
+from parrot_backend.manager.render import PromptTokenizer, render_call
 from parrot_backend.program import Call, parse
 
 MODEL = "smollm2-135m"
@@ -26,13 +19,15 @@ def tokenize(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
+TOKENS = PromptTokenizer(tokenize)
+
+
+def prefixes(template: str, values: dict[str, str], salt: str | None = "tenant-a"):
+    return render_call(Call.from_template("c", template), values, TOKENS, MODEL, salt)[1]
+
+
 def keys(template: str, values: dict[str, str], salt: str | None = "tenant-a") -> list[str]:
-    return [p.key for p in call_prefixes(MODEL, parse(template), values, tokenize, salt)]
-
-
-def test_static_prefix_is_text_before_first_variable() -> None:
-    assert static_prefix(Call.from_template("c", SYSTEM + "{{input:q}} {{output:a}}")) == SYSTEM
-    assert static_prefix(Call.from_template("c", "{{input:q}} sys {{output:a}}")) == ""
+    return [p.key for p in prefixes(template, values, salt)]
 
 
 def test_boundaries_follow_leading_text_inputs_and_first_output() -> None:
@@ -49,19 +44,13 @@ def test_template_starting_with_output_has_no_prefix() -> None:
     assert prefix_boundaries(parse("{{output:o}} x")) == []
 
 
-def test_segment_tokens_tokenize_each_segment_alone() -> None:
-    pieces = segment_tokens(parse("ab{{input:v}}c{{output:o}}"), {"v": "xy"}, tokenize, 3)
-    assert pieces == [[97, 98], [120, 121], [99]]
-
-
 def test_keys_match_prefix_key_of_the_token_prefix() -> None:
-    segs = parse(SYSTEM + "{{input:doc}} Q: {{input:q}} A: {{output:a}}")
+    template = SYSTEM + "{{input:doc}} Q: {{input:q}} A: {{output:a}}"
     values = {"doc": "D", "q": "why"}
-    tokens = [t for piece in segment_tokens(segs, values, tokenize, len(segs) - 1) for t in piece]
-    found = call_prefixes(MODEL, segs, values, tokenize, "s")
+    plan, found = render_call(Call.from_template("c", template), values, TOKENS, MODEL, "s")
     assert [p.n_segments for p in found] == [1, 2, 4, 5]
     for p in found:
-        assert p.key == prefix_key(MODEL, tokens[: p.n_tokens], "s")
+        assert p.key == prefix_key(MODEL, plan.prompt[: p.n_tokens], "s")
 
 
 def test_static_prefix_key_is_shared_across_runs_with_different_inputs() -> None:
@@ -114,8 +103,7 @@ def test_salt_and_tokens_cannot_run_into_each_other() -> None:
 
 
 def test_empty_value_does_not_duplicate_a_prefix() -> None:
-    found = call_prefixes(MODEL, parse("S{{input:e}}{{output:o}}"), {"e": ""}, tokenize, None)
-    assert [p.n_tokens for p in found] == [1]
+    assert [p.n_tokens for p in prefixes("S{{input:e}}{{output:o}}", {"e": ""}, None)] == [1]
 
 
 def test_out_of_range_token_is_rejected() -> None:
@@ -132,20 +120,12 @@ def test_incremental_keys_equal_one_shot_keys(
     values: list[str], salt: str | None, lead: str
 ) -> None:
     template = lead + " ".join(f"{{{{input:v{i}}}}}" for i in range(len(values))) + "{{output:o}}"
-    segs = parse(template)
     vals = {f"v{i}": v for i, v in enumerate(values)}
-    tokens = [t for piece in segment_tokens(segs, vals, tokenize, len(segs) - 1) for t in piece]
-    want = [p.key for p in call_prefixes(MODEL, segs, vals, tokenize, salt)]
-    for p in call_prefixes(MODEL, segs, vals, tokenize, salt):
-        assert p.key == prefix_key(MODEL, tokens[: p.n_tokens], salt)
-    # a segments tuple (shared by a workflow's runs) takes the cached leading-text path;
-    # the second time from the cache: the same prefixes either way
-    shared = tuple(segs)
-    for _ in range(2):
-        assert [p.key for p in call_prefixes(MODEL, shared, vals, tokenize, salt)] == want
-    other = lambda text: [ord(c) + 1 for c in text]  # noqa: E731  another tokenizer, same tuple
-    got = call_prefixes(MODEL, shared, vals, other, salt)
-    assert got == call_prefixes(MODEL, list(shared), vals, other, salt)
+    plan, found = render_call(Call.from_template("c", template), vals, TOKENS, MODEL, salt)
+    assert plan.prompt == tokenize("".join([lead, " ".join(values)]))
+    for p in found:
+        assert p.key == prefix_key(MODEL, plan.prompt[: p.n_tokens], salt)
+    assert [p.n_tokens for p in found] == sorted({p.n_tokens for p in found})
 
 
 # --- PrefixTable ---------------------------------------------------------------------------
@@ -278,68 +258,3 @@ def test_has_idle_follows_the_refcounts() -> None:
             for e in ("e0", "e1"):
                 idle = any(table.get(k).refcount == 0 for k in table.held(e))  # type: ignore[union-attr]
                 assert table.has_idle(e) == idle
-
-
-# --- one tokenization per segment: plan and prefix keys share the pieces ------------------
-
-
-@given(
-    st.lists(
-        st.one_of(
-            st.sampled_from(["sys ", "x", " and ", "a longer system prompt ", "  "]),
-            st.integers(0, 3).map(lambda i: f"{{{{input:v{i}}}}}"),
-            st.integers(0, 3).map(lambda i: f"{{{{output:o{i}}}}}"),
-        ),
-        max_size=10,
-    ),
-    st.lists(st.text(max_size=4), min_size=4, max_size=4),
-    st.one_of(st.none(), st.text(max_size=4)),
-    st.booleans(),
-)
-def test_plan_and_pieces_give_the_plan_and_keys_of_separate_tokenization(
-    parts: list[str], values: list[str], salt: str | None, shared: bool
-) -> None:
-    from parrot_backend.manager.render import TokenCache, plan_and_pieces
-    from parrot_backend.program import InputRef, OutputRef, Text
-
-    seen: set[str] = set()
-    kept = []  # a variable appears once, as an input or an output
-    for part in parts:
-        name = part[part.find(":") + 1 : -2] if part.startswith("{{") else None
-        if name is not None and name[1:] in seen:
-            continue
-        if name is not None:
-            seen.add(name[1:])
-        kept.append(part)
-    try:
-        call = Call.from_template("c", "".join(kept))
-    except ValueError:
-        return  # not a valid template: nothing to plan
-    vals = {f"v{i}": v for i, v in enumerate(values)}
-    segments = call.segments if shared else list(call.segments)
-    cache = TokenCache(tokenize)
-    plan, pieces = plan_and_pieces(call, vals, cache)
-    # the reference: the plan as plan_call made it before, segment by segment
-    prompt: list[int] = []
-    steps: list[tuple[str, list[int]]] = []
-    current = prompt
-    for seg in call.segments:
-        if isinstance(seg, Text):
-            current.extend(tokenize(seg.text))
-        elif isinstance(seg, InputRef):
-            current.extend(tokenize(vals[seg.name]))
-        elif isinstance(seg, OutputRef):
-            steps.append((seg.name, []))
-            current = steps[-1][1]
-    if steps:
-        steps[-1] = (steps[-1][0], [])
-    assert plan.prompt == prompt
-    assert [(s.output, s.then) for s in plan.steps] == steps
-    want_n = len(prompt) + sum(len(t) + call.configs[o].max_tokens for o, t in steps)
-    assert plan.n_tokens == want_n
-    first = next((i for i, s in enumerate(segments) if isinstance(s, OutputRef)), len(segments))
-    # the cache keeps tokens as tuples; the plain path lists them
-    assert [list(p) for p in pieces] == segment_tokens(segments, vals, tokenize, first)
-    want = call_prefixes(MODEL, segments, vals, tokenize, salt)
-    assert call_prefixes(MODEL, segments, vals, cache, salt, pieces) == want
-    assert call_prefixes(MODEL, segments, vals, cache, salt, pieces) == want  # cached lead

@@ -30,7 +30,7 @@ from .errors import error_body
 from .settings import ServerSettings
 
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
-                        "/", "/ui"})
+                        "/", "/ui", "/ui/"})
 UI_STATIC_PREFIX = "/ui/static/"  # the web page's files (no data: the page asks for a key)
 # routes that check the operator key themselves (engine registration): tenant keys are not
 # what protects them, so the tenant middleware lets them through to that check

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import pytest
 
 from .conftest import ARTIFACTS, save_screenshot
@@ -201,3 +202,118 @@ def test_stream_resumes_after_network_cuts_with_no_token_lost_or_repeated(page, 
         assert snap["variables"][name]["streamed"] == streamed[name] == values[name]
         assert snap["variables"][name]["tokens"] == 120
     save_screenshot(page, "run-after-network-cuts")
+
+
+def test_history_filters_opens_a_stored_run_and_replays_it(page, app):
+    spec = {"program": {"calls": [
+        chat_call("ask", "Name a bird from {{input:place}}.", "bird", 30),
+        chat_call("tell", "One fact about {{input:bird}}.", "fact", 40)]},
+        "inputs": {"place": "Peru"}, "outputs": {"fact": "latency"}}
+    r = httpx.post(f"{app.url}/v1/runs", json=spec, timeout=30)
+    run_id = r.json()["run_id"]
+    fact = httpx.get(f"{app.url}/v1/runs/{run_id}/variables/fact?timeout=30", timeout=40)
+    assert fact.json()["status"] == "ready"
+    failed = httpx.post(f"{app.url}/v1/runs", timeout=30, json={
+        "program": {"calls": [{"name": "bad", "template": "x {{output:y}}",
+                               "outputs": {"y": {"max_tokens": 5}}}]}})
+    failed_id = failed.json()["run_id"]
+    app.engine.fail_if = lambda prompt: prompt.startswith("x ")
+    try:
+        httpx.get(f"{app.url}/v1/runs/{failed_id}/variables/y?timeout=30", timeout=40)
+    finally:
+        app.engine.fail_if = lambda prompt: False
+    open_page(page, app.url)
+    page.select_option("#status-filter", "failed")
+    page.wait_for_selector(f".history-item[data-run-id='{failed_id}']")
+    shown = page.eval_on_selector_all(".history-item", "bs => bs.map(b => b.dataset.status)")
+    assert set(shown) == {"failed"}
+    page.select_option("#status-filter", "done")
+    page.click(f".history-item[data-run-id='{run_id}']")
+    snap = wait_finished(page)
+    original = api_values(api_detail(app.url, run_id))
+    assert snap["runId"] == run_id
+    assert {n: snap["variables"][n]["shown"] for n in original} == original
+    assert {n: snap["variables"][n]["streamed"] for n in original} == original
+    page.click("#replay")
+    page.wait_for_function(f"() => parrotUI.snapshot().runId !== '{run_id}'")
+    snap = wait_finished(page)
+    replay = api_detail(app.url, snap["runId"])
+    assert replay["run"]["replay_of"] == run_id and replay["run"]["status"] == "done"
+    assert api_values(replay) == original  # the scripted engine is deterministic
+    assert {n: snap["variables"][n]["streamed"] for n in original} == original
+    page.wait_for_selector(f".history-item[data-run-id='{snap['runId']}']")
+    # a failed run opens with its failure shown
+    page.select_option("#status-filter", "failed")
+    page.click(f".history-item[data-run-id='{failed_id}']")
+    page.wait_for_function(DONE_FAILED)
+    assert page.text_content("#dag g[data-call=bad]").startswith("bad")
+    assert page.get_attribute("#dag g[data-call=bad]", "data-state") == "failed"
+    assert page.get_attribute("#variables [data-variable=y]", "data-status") == "failed"
+
+
+DONE_FAILED = ("() => document.querySelector('#run-status').dataset.status === 'failed' && "
+               "parrotUI.stream.closed")
+
+
+def _fan_out(n_calls: int, tokens_per_call: int) -> dict:
+    """One call, n-2 readers of its output (a shared generated prefix), one reducer."""
+    mappers = n_calls - 2
+    calls = [{"name": "root", "template": "Theme {{input:theme}}: {{output:topic}}",
+              "outputs": {"topic": {"max_tokens": tokens_per_call}}}]
+    calls += [{"name": f"m{i}", "template": "Shared instructions for every mapper. Topic: "
+               f"{{{{input:topic}}}} Part {i}: {{{{output:part{i}}}}}",
+               "outputs": {f"part{i}": {"max_tokens": tokens_per_call}}}
+              for i in range(mappers)]
+    calls.append({"name": "reduce", "template": "Join: " + " ".join(
+        f"{{{{input:part{i}}}}}" for i in range(mappers)) + " Result: {{output:result}}",
+        "outputs": {"result": {"max_tokens": tokens_per_call}}})
+    return {"program": {"calls": calls}, "inputs": {"theme": "parrots"},
+            "outputs": {"result": "latency"}}
+
+
+def test_50_calls_and_10k_tokens_cost_constant_work_per_token(page, app):
+    """50 calls, 200 tokens each. The page appends each frame's tokens to one text node
+    per variable: the DOM holds a fixed number of nodes per call whatever the tokens,
+    and the handling time per event is measured and reported (build/ui-artifacts)."""
+    app.engine.reply = reply_for(length=200)
+    open_page(page, app.url)
+    page.evaluate("() => parrotUI.resetPerf()")
+    nodes_before = page.evaluate("() => document.getElementsByTagName('*').length")
+    run_id = start_run(page, _fan_out(50, 200))
+    page.wait_for_selector("#dag g[data-call=reduce]")
+    nodes_drawn = page.evaluate("() => document.getElementsByTagName('*').length")
+    snap = wait_finished(page, timeout_ms=120_000)
+    perf = page.evaluate("() => parrotUI.perf()")
+    detail = api_detail(app.url, run_id)
+    events = api_events(app.url, run_id)
+    values = api_values(detail)
+    assert len(detail["calls"]) == 50 and detail["run"]["status"] == "done"
+    assert snap["stream"]["tokens"] == sum(e["event"] == "token" for e in events) == 10_000
+    assert snap["stream"]["duplicates"] == snap["stream"]["missing"] == 0
+    assert all(snap["variables"][n]["streamed"] == v for n, v in values.items())
+    assert set(snap["dag"].values()) == {"done"}
+    # one text node per variable, however many tokens it got
+    text_nodes = page.eval_on_selector_all("#variables pre.value",
+                                           "ps => ps.map(p => p.childNodes.length)")
+    assert text_nodes == [1] * 51  # 50 outputs and the input
+    # streaming 10k tokens added no elements: only the timeline's rows (one per call)
+    timeline = page.eval_on_selector_all("#timeline *", "es => es.length")
+    assert perf["domNodes"] - nodes_drawn <= timeline
+    stream = perf["stream"]
+    report = {
+        "calls": 50, "tokens": snap["stream"]["tokens"], "events": stream["events"],
+        "dom_elements": {"before_run": nodes_before, "dag_drawn": nodes_drawn,
+                         "after_10k_tokens": perf["domNodes"]},
+        "event_handling_ms": {"mean": stream["handlerTotalMs"] / stream["handlerCount"],
+                              "max": stream["handlerMaxMs"],
+                              "total": stream["handlerTotalMs"]},
+        "token_flush_per_frame_ms": {"frames": perf["flush"]["flushes"],
+                                     "mean": perf["flush"]["flushTotalMs"]
+                                     / max(1, perf["flush"]["flushes"]),
+                                     "max": perf["flush"]["flushMaxMs"]},
+        "frame_gap_ms": perf["frames"], "long_tasks": perf["longTasks"],
+    }
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "big-run-perf.json").write_text(json.dumps(report, indent=2))
+    print("50 calls / 10k tokens:", json.dumps(report))
+    save_screenshot(page, "run-50-calls")

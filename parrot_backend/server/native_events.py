@@ -11,29 +11,20 @@ after N: none lost, none repeated. The stream ends after `run_finished`.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse
-from sse_starlette.event import ServerSentEvent
-
-from parrot_backend.store import EventRecord
 
 from .errors import APIError
+from .event_stream import event_response
 from .native_api import RuntimeDep, TenantDep, owned
 from .native_schemas import SQL_INT_MAX, RunIdPath
-from .runtime import NativeRuntime
 from .state import StateDep
 
 router = APIRouter(prefix="/v1", tags=["native"])
 log = logging.getLogger(__name__)
-
-POLL_S = 1.0  # re-read the log at least this often (events from another process)
-BATCH = 500
 
 _DOC = {200: {"content": {"text/event-stream": {}},
               "description": "SSE: `id: <seq>`, `event: <type>`, `data: <json payload>`"}}
@@ -53,45 +44,6 @@ def parse_last_id(value: str | None) -> int:
     return seq
 
 
-def frame(event: EventRecord) -> ServerSentEvent:
-    data = json.dumps(event.payload, ensure_ascii=False, separators=(",", ":"))
-    return ServerSentEvent(data=data, event=event.type, id=str(event.seq))
-
-
-async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
-                 after: int) -> AsyncIterator[ServerSentEvent]:
-    """Events after `after`, then live ones until the run finishes."""
-    store = rt.store
-    rt.notifier.attach(run_id)
-    try:
-        while True:
-            changed = rt.notifier.watch(run_id)  # before the read: no commit slips by
-            events = await asyncio.to_thread(store.read_events, tenant_id, run_id, after,
-                                             BATCH)
-            for event in events:
-                after = event.seq
-                yield frame(event)
-                if event.type == "run_finished":
-                    return
-            if len(events) == BATCH:
-                continue
-            if not events:
-                detail = await asyncio.to_thread(store.get_run, tenant_id, run_id)
-                if detail.run.finished_at is not None and detail.run.status in (
-                        "done", "failed", "cancelled"):
-                    # finished before we looked; its run_finished was sent or pruned
-                    if await asyncio.to_thread(store.last_event_seq, run_id) <= after:
-                        return
-                    continue
-            await rt.notifier.wait(changed, POLL_S)
-    except Exception:
-        log.exception("event stream of run %s failed", run_id)
-        raise
-    finally:
-        # runs on the end, on client disconnect (CancelledError) and on send timeouts
-        rt.notifier.detach(run_id)
-
-
 @router.get("/runs/{run_id}/events", responses=_DOC)
 async def run_events(
     run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep, state: StateDep,
@@ -105,10 +57,4 @@ async def run_events(
     await owned(rt, tenant, run_id)
     start = after if after is not None else parse_last_id(last_event_id)
     tenant_id = await rt.tenant_id(tenant)
-    settings = state.settings
-    return EventSourceResponse(
-        follow(rt, tenant_id, run_id, start),
-        ping=settings.sse_ping_s,
-        send_timeout=settings.sse_send_timeout_s,
-        headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"},
-    )
+    return event_response(rt, state, tenant_id, run_id, start)

@@ -11,9 +11,10 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parrot_backend.program import CallSpec, Criterion, ProgramSpec
+from parrot_backend.program.spec import check_names
 from parrot_backend.program.template import NAME_PATTERN
 from parrot_backend.program.text import MAX_NAME_LENGTH, StorableModel
 
@@ -50,9 +51,18 @@ class _Strict(StorableModel):
 
 
 class AddCallsRequest(_Strict):
-    """Calls to add to an open run."""
+    """Calls to add to an open run, inputs to set after them, and whether to close it."""
 
-    calls: list[CallSpec] = Field(min_length=1, max_length=1000)
+    calls: list[CallSpec] = Field(default_factory=list, max_length=1000)
+    inputs: dict[str, str] = Field(default_factory=dict)
+    close: bool = False
+
+    @model_validator(mode="after")
+    def _something(self) -> AddCallsRequest:
+        if not (self.calls or self.inputs or self.close):
+            raise ValueError("give calls, inputs or close: true")
+        check_names(self.inputs)
+        return self
 
 
 class SetVariableRequest(_Strict):

@@ -87,9 +87,13 @@ def _readable(kind: str, message: str) -> str:
 def _problem(kind: str, spec: str | tuple[str, ...]) -> str:
     try:
         source = grammar_source(Constraint(kind, spec))
+        message = llguidance.LLMatcher.validate_grammar(source, None)
     except GrammarError as exc:
         return str(exc)
-    message = llguidance.LLMatcher.validate_grammar(source, None)
+    except BaseException as exc:  # a panic in the native library is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return f"{kind}: the grammar engine cannot compile it ({type(exc).__name__}: {exc})"
     return _readable(kind, message) if message else ""
 
 

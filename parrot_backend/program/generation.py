@@ -1,15 +1,25 @@
-"""Per-output generation settings: the JSON form of the engine's SamplingParams."""
+"""Per-output generation settings: the JSON form of the engine's SamplingParams.
+
+An output may be **typed**: `json_schema`, `regex` or `choice` constrains its generation
+(the engine masks every token that would leave the grammar), so its value always matches;
+a generation that reaches `max_tokens` before the value is complete fails the call rather
+than setting a partial value. The value is still text: a downstream call receives the JSON,
+the matched string or the chosen string as it was generated.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+import json
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 if TYPE_CHECKING:
-    from parrot_backend.engine.sampling import SamplingParams
+    from parrot_backend.engine.sampling import Constraint, SamplingParams
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+ValueType = Literal["text", "json_schema", "regex", "choice"]
+_TYPED = ("json_schema", "regex", "choice")
 
 
 class GenerationConfig(BaseModel):
@@ -28,6 +38,65 @@ class GenerationConfig(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[NonEmpty] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    json_schema: dict[str, Any] | None = Field(
+        None, description="the value is JSON matching this schema (`{}`: any JSON value)")
+    regex: NonEmpty | None = Field(
+        None, description="the whole value matches this regular expression (Rust syntax)")
+    choice: list[NonEmpty] | None = Field(
+        None, min_length=1, description="the value is one of these strings")
+
+    @model_validator(mode="after")
+    def _check_type(self) -> GenerationConfig:
+        """At most one type; no stop strings with it; a grammar the engine can compile."""
+        given = [name for name in _TYPED if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"an output has at most one of json_schema, regex and choice; "
+                             f"got {' and '.join(given)}")
+        if given and self.stop:
+            raise ValueError(f"stop cannot be combined with {given[0]}: the grammar decides "
+                             f"where the value ends")
+        constraint = self.constraint()
+        if constraint is not None:
+            from parrot_backend.engine.errors import InvalidRequest
+            from parrot_backend.engine.grammar import check
+
+            try:
+                check(constraint)
+            except InvalidRequest as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_untyped(self, handler: Any) -> dict[str, Any]:
+        # a text output's JSON stays what it was before outputs had types (stored programs,
+        # workflow comparisons and replays see no new keys)
+        data = handler(self)
+        for name in _TYPED:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+    @property
+    def value_type(self) -> ValueType:
+        """What the value is: free `text`, or the kind of its constraint."""
+        for name in _TYPED:
+            if getattr(self, name) is not None:
+                return name  # type: ignore[return-value]
+        return "text"
+
+    def constraint(self) -> Constraint | None:
+        """The engine constraint of a typed output (None for text). A typed value must be
+        complete: the engine fails the generation instead of ending it at max_tokens."""
+        from parrot_backend.engine.sampling import Constraint
+
+        if self.json_schema is not None:
+            spec = json.dumps(self.json_schema, ensure_ascii=False)  # keeps the key order
+            return Constraint("json_schema", spec, require_complete=True)
+        if self.regex is not None:
+            return Constraint("regex", self.regex, require_complete=True)
+        if self.choice is not None:
+            return Constraint("choice", tuple(self.choice), require_complete=True)
+        return None
 
     def limit_problems(self, vocab_size: int | None, max_model_len: int | None) -> list[str]:
         """What does not fit a model with this vocabulary and context (none: fits)."""
@@ -57,4 +126,5 @@ class GenerationConfig(BaseModel):
             seed=self.seed,
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
+            constraint=self.constraint(),
         )

@@ -89,12 +89,17 @@ def _plain(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _descriptors(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
-    """The store's call descriptors (name, inputs, outputs) of call specs, in order."""
+    """The store's call descriptors (name, inputs, outputs, the types of typed outputs) of
+    call specs, in order."""
     out = []
     for i, raw in enumerate(calls):
         call = CallSpec.model_validate(raw).build(first + i)
-        out.append({"name": call.name, "inputs": list(call.inputs),
-                    "outputs": list(call.outputs)})
+        desc: dict[str, Any] = {"name": call.name, "inputs": list(call.inputs),
+                                "outputs": list(call.outputs)}
+        types = {o: c.value_type for o, c in call.configs.items() if c.value_type != "text"}
+        if types:
+            desc["types"] = types
+        out.append(desc)
     return out
 
 

@@ -41,6 +41,10 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
+# What a variable's value is: free text, or the constraint its producer generated it under
+# (program/generation.py `ValueType`; the constraint itself is in the run's program).
+VALUE_TYPES = ("text", "json_schema", "regex", "choice")
+
 # SQLite only autoincrements INTEGER PRIMARY KEY; BIGINT elsewhere for the event log.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -136,6 +140,7 @@ class Variable(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "name"),
         CheckConstraint(_in("status", VARIABLE_STATUSES), name="status"),
+        CheckConstraint(_in("type", VALUE_TYPES), name="type"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -147,6 +152,9 @@ class Variable(Base):
     producer_call: Mapped[int | None] = mapped_column(Integer, nullable=True)
     set_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # `text`, or the type of a typed output (`json_schema`, `regex`, `choice`): a value of
+    # a typed variable matches its producer's constraint (migration 0004)
+    type: Mapped[str] = mapped_column(String(16), default="text", server_default="text")
 
 
 class Call(Base):

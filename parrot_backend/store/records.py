@@ -39,6 +39,7 @@ class VariableRecord:
     producer_call: int | None
     set_at: datetime | None
     error: str | None = None
+    type: str = "text"  # or the constraint of a typed output: json_schema, regex, choice
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,9 +39,9 @@ from parrot_backend.store.columns import (
 )
 from parrot_backend.store.errors import InvalidRequestError, NotFoundError
 from parrot_backend.store.events import append_in
-from parrot_backend.store.models import Call, CallInput, Run, Variable
+from parrot_backend.store.models import VALUE_TYPES, Call, CallInput, Run, Variable
 from parrot_backend.store.plan import CallPlan, check_producers, parse_calls
-from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun
+from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun, VariableRecord
 
 _RUNS = Run.__table__
 _VARS = Variable.__table__
@@ -51,16 +52,44 @@ _NEW_CALLS = insert(_CALLS).returning(_CALLS.c.id, sort_by_parameter_order=True)
 _SET_PRODUCER = (
     update(_VARS)
     .where(_VARS.c.run_id == bindparam("rid"), _VARS.c.name == bindparam("vname"))
-    .values(producer_call=bindparam("producer"))
+    .values(producer_call=bindparam("producer"), type=bindparam("vtype"))
 )
+
+
+def output_types(calls: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The types descriptors give their outputs (``"types": {output: type}``; an output not
+    named there is text); InvalidRequestError for an unknown type."""
+    types: dict[str, str] = {}
+    for i, desc in enumerate(calls):
+        given = desc.get("types") if isinstance(desc, Mapping) else None
+        if given is None:
+            continue
+        if not isinstance(given, Mapping):
+            raise InvalidRequestError(f"call {i}: types must map outputs to types")
+        outputs = set(desc.get("outputs") or ())
+        for name, kind in given.items():
+            if kind not in VALUE_TYPES:
+                raise InvalidRequestError(
+                    f"call {i}: type of {name!r} must be one of {VALUE_TYPES}, got {kind!r}")
+            if name not in outputs:
+                raise InvalidRequestError(f"call {i}: types names {name!r}, not an output")
+            types[name] = kind
+    return types
+
+
+def with_type(record: VariableRecord, row: Any) -> VariableRecord:
+    """A variable's record with its type (the base conversion predates types)."""
+    return record if row.type == record.type else replace(record, type=row.type)
 
 
 def _insert_calls(
     c: Connection, run_id: str, plans: Sequence[CallPlan], first_idx: int, now: datetime,
-    variables: dict[str, int] | None = None,
+    variables: dict[str, int] | None = None, types: Mapping[str, str] | None = None,
 ) -> None:
     """Insert calls, their variables (pending when new) and the DAG's input edges.
-    ``variables``: the run's variables (name -> id), when the caller knows them."""
+    ``variables``: the run's variables (name -> id), when the caller knows them; ``types``:
+    the type of each typed output (others are text)."""
+    types = types or {}
     if variables is None:
         variables = dict(c.execute(
             select(_VARS.c.name, _VARS.c.id).where(_VARS.c.run_id == run_id)).all())
@@ -74,11 +103,12 @@ def _insert_calls(
             producer[out] = first_idx + offset
     if new:
         variables.update(c.execute(_NEW_VARS, [
-            {"run_id": run_id, "name": n, "status": "pending", "producer_call": producer.get(n)}
+            {"run_id": run_id, "name": n, "status": "pending", "producer_call": producer.get(n),
+             "type": types.get(n, "text")}
             for n in new
         ]).all())
-    known = [{"rid": run_id, "vname": n, "producer": i} for n, i in producer.items()
-             if n not in new]
+    known = [{"rid": run_id, "vname": n, "producer": i, "vtype": types.get(n, "text")}
+             for n, i in producer.items() if n not in new]
     if known:
         c.execute(_SET_PRODUCER, known)
     ids = c.execute(_NEW_CALLS, [
@@ -115,7 +145,7 @@ def _detail(db: Session | Connection, run: Row[Any]) -> RunDetail:
         run=run_record(run),
         program=run.program,
         inputs=dict(run.inputs),
-        variables={v.name: variable_record(v) for v in variables},
+        variables={v.name: with_type(variable_record(v), v) for v in variables},
         calls=tuple(call_record(c) for c in calls),
     )
 
@@ -175,11 +205,13 @@ class RunsMixin(StoreBase):
         ``owner`` (a manager process) holds the run from the start (see `claim_run`).
 
         ``calls`` are descriptors ``{"name", "inputs", "outputs", "objective"?,
-        "task_group"?}`` in program order (their position is the call index).
+        "task_group"?, "types"?}`` in program order (their position is the call index);
+        ``types`` maps typed outputs to their type (`VALUE_TYPES`), the rest are text.
         ``objectives`` maps output variable names to ``latency`` or ``throughput``.
         ``run_id`` lets the caller (the server's run executor) choose the id.
         """
         plans = parse_calls(calls)
+        types = output_types(calls)
         inputs = dict(inputs or {})
         objectives = dict(objectives or {})
         bad = {k: v for k, v in objectives.items() if v not in OBJECTIVES}
@@ -203,7 +235,7 @@ class RunsMixin(StoreBase):
                     {"run_id": run_id, "name": name, "value": value, "status": "ready",
                      "set_at": now} for name, value in inputs.items()
                 ]).all())
-            _insert_calls(c, run_id, plans, 0, now, variables)
+            _insert_calls(c, run_id, plans, 0, now, variables, types)
             if events:
                 append_in(c, [(run_id, t, p) for t, p in events], now)
             return _detail(c, c.execute(select(_RUNS).where(_RUNS.c.id == run_id)).one())
@@ -221,6 +253,7 @@ class RunsMixin(StoreBase):
         stored program JSON (the caller's merged program), when given; ``events`` are
         appended in the same transaction."""
         plans = parse_calls(calls)
+        types = output_types(calls)
         with self._conn_write() as c:
             run = _owned_run(c, tenant_id, run_id)
             if not run.open:
@@ -236,7 +269,8 @@ class RunsMixin(StoreBase):
             last = c.scalar(select(func.max(_CALLS.c.idx)).where(_CALLS.c.run_id == run_id))
             first = 0 if last is None else last + 1
             check_producers(plans, produced, given, first)
-            _insert_calls(c, run_id, plans, first, utcnow(), {n: i for n, i, _, _ in rows})
+            _insert_calls(c, run_id, plans, first, utcnow(), {n: i for n, i, _, _ in rows},
+                          types)
             if program is not None:
                 c.execute(update(_RUNS).where(_RUNS.c.id == run_id)
                           .values(program=dict(program)))

@@ -15,6 +15,7 @@ from parrot_backend.store.errors import NotFoundError
 from parrot_backend.store.events import append_in
 from parrot_backend.store.models import Run, Variable
 from parrot_backend.store.records import VariableRecord
+from parrot_backend.store.runs import with_type
 
 _VARS = Variable.__table__
 _RUNS = Run.__table__
@@ -132,4 +133,4 @@ class VariablesMixin(StoreBase):
             )
             if var is None:
                 raise NotFoundError(f"run {run_id!r} has no variable {name!r}")
-            return variable_record(var)
+            return with_type(variable_record(var), var)

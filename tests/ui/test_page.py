@@ -224,11 +224,11 @@ def test_history_filters_opens_a_stored_run_and_replays_it(page, app):
         app.engine.fail_if = lambda prompt: False
     open_page(page, app.url)
     page.select_option("#status-filter", "failed")
-    page.wait_for_selector(f".history-item[data-run-id='{failed_id}']")
+    page.wait_for_selector(f"#history[data-loaded=failed] [data-run-id='{failed_id}']")
     shown = page.eval_on_selector_all(".history-item", "bs => bs.map(b => b.dataset.status)")
     assert set(shown) == {"failed"}
     page.select_option("#status-filter", "done")
-    page.click(f".history-item[data-run-id='{run_id}']")
+    page.click(f"#history[data-loaded=done] [data-run-id='{run_id}']")
     snap = wait_finished(page)
     original = api_values(api_detail(app.url, run_id))
     assert snap["runId"] == run_id
@@ -244,7 +244,7 @@ def test_history_filters_opens_a_stored_run_and_replays_it(page, app):
     page.wait_for_selector(f".history-item[data-run-id='{snap['runId']}']")
     # a failed run opens with its failure shown
     page.select_option("#status-filter", "failed")
-    page.click(f".history-item[data-run-id='{failed_id}']")
+    page.click(f"#history[data-loaded=failed] [data-run-id='{failed_id}']")
     page.wait_for_function(DONE_FAILED)
     assert page.text_content("#dag g[data-call=bad]").startswith("bad")
     assert page.get_attribute("#dag g[data-call=bad]", "data-state") == "failed"

@@ -22,23 +22,29 @@ def serve(tiny_model_dir, tmp_path_factory):
     """`serve` on loopback, auth off, as `make serve` starts it (but on the tiny model)."""
     process = Serve(tiny_model_dir, tmp_path_factory.mktemp("ui-serve"), None)
     try:
-        yield process.start()
+        process.start()
+        yield process
     finally:
         process.stop()
 
 
 def test_example_runs_end_to_end_on_a_real_serve(page, serve):
-    open_page(page, serve)
+    open_page(page, serve.url)
     assert page.get_attribute("body", "data-auth") == "off"
     page.select_option("#example", "multi-agent")
     page.click("#run")
-    snap = wait_finished(page, timeout_ms=180_000)
-    detail = api_detail(serve, snap["runId"])
+    try:
+        snap = wait_finished(page, timeout_ms=180_000)
+    except Exception as exc:  # say where it stood: the page's view and the server's log
+        state = page.evaluate("() => parrotUI.snapshot()")
+        raise AssertionError(f"the run did not finish on the page: {state}\n"
+                             f"serve log:\n{serve.log.read_text()[-3000:]}") from exc
+    detail = api_detail(serve.url, snap["runId"])
     values = api_values(detail)
     assert detail["run"]["status"] == "done" and snap["status"] == "done"
     assert set(values) == {"question", "optimist_view", "skeptic_view", "engineer_view",
                            "verdict"}
-    streamed = streamed_by_variable(api_events(serve, snap["runId"]))
+    streamed = streamed_by_variable(api_events(serve.url, snap["runId"]))
     for name, value in values.items():
         assert snap["variables"][name]["shown"] == value, name
         assert snap["variables"][name]["streamed"] == streamed.get(name, "") == value, name

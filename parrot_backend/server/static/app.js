@@ -14,6 +14,7 @@ const view = new RunView($("#run-panel"));
 let stream = null;
 let detailTimer = 0;
 let historyOffset = 0;
+let historyAsked = 0;  // the latest history request: answers to older ones are stale
 let pasted = { inputs: undefined, outputs: undefined };
 
 // Frame times while a stream is live: the gap between animation frames, i.e. how long
@@ -321,17 +322,19 @@ function historyItem(run) {
 async function loadHistory(fromStart) {
   if (fromStart) historyOffset = 0;
   showError("#history-error", null);
+  const asked = ++historyAsked;
+  const status = $("#status-filter").value;
   try {
-    const page = await api.listRuns({ status: $("#status-filter").value, limit: HISTORY_PAGE,
-                                      offset: historyOffset });
+    const page = await api.listRuns({ status, limit: HISTORY_PAGE, offset: historyOffset });
+    if (asked !== historyAsked) return;  // a newer filter or refresh is under way
     const items = page.runs.map(historyItem);
     if (fromStart) $("#history").replaceChildren(...items);
     else $("#history").append(...items);
     historyOffset += page.runs.length;
     $("#more").hidden = page.runs.length < HISTORY_PAGE;
-    $("#history").dataset.loaded = String(Date.now());
+    $("#history").dataset.loaded = status || "all";
   } catch (err) {
-    showError("#history-error", err);
+    if (asked === historyAsked) showError("#history-error", err);
   }
 }
 

@@ -19,8 +19,17 @@ from parrot_backend.server.auth import (
 )
 
 from .conftest import save_screenshot
-from .pagekit import api_detail, api_events, api_values, open_page, wait_finished
-from .support import live_app
+from .pagekit import (
+    api_detail,
+    api_events,
+    api_values,
+    chat_call,
+    open_page,
+    start_run,
+    streamed_by_variable,
+    wait_finished,
+)
+from .support import CutProxy, live_app, reply_for
 
 KEYS = {"sk-ui-alice": "alice", "sk-ui-bob": "bob"}
 ALICE = {"Authorization": "Bearer sk-ui-alice"}
@@ -100,6 +109,50 @@ def test_page_asks_for_a_key_rejects_a_wrong_one_and_streams_with_the_right_one(
     page.click("#forget-key")
     page.wait_for_selector("body[data-auth=needed]")
     assert page.evaluate("() => sessionStorage.length") == 0
+
+
+def test_stream_with_auth_resumes_after_offline_with_a_fresh_grant(page, app):
+    """The connection drops (proxy) while the browser is offline (Playwright): the
+    grant and reconnect requests fail until it is back online; then the page gets a new
+    grant and resumes after its last event. Nothing is lost or repeated."""
+    app.engine.delay_s = 0.01
+    app.engine.reply = reply_for(length=300)
+    proxy = CutProxy(app.port)
+    grants: list[int] = []
+    page.on("response", lambda r: grants.append(r.status)
+            if r.url.endswith("/events/grant") else None)
+    try:
+        open_page(page, proxy.url)
+        page.fill("#api-key", "sk-ui-alice")
+        page.click("#auth button[type=submit]")
+        page.wait_for_selector("body[data-auth=accepted]")
+        spec = {"program": {"calls": [chat_call("one", "About {{input:w}}.", "a", 100),
+                                      chat_call("two", "After {{input:a}}.", "b", 100)]},
+                "inputs": {"w": "birds"}, "outputs": {"b": "latency"}}
+        run_id = start_run(page, spec)
+        page.wait_for_function("() => parrotUI.stream.stats.tokens >= 30")
+        page.context.set_offline(True)
+        proxy.cut()
+        page.wait_for_selector("#stream-state[data-state=reconnecting]")
+        at_cut = page.evaluate("() => parrotUI.stream.stats.tokens")
+        time.sleep(1.0)
+        assert page.evaluate("() => parrotUI.stream.stats.tokens") == at_cut
+        page.context.set_offline(False)
+        snap = wait_finished(page)
+    finally:
+        app.engine.delay_s = 0.0
+        app.engine.reply = reply_for()
+        proxy.close()
+    events = api_events(app.url, run_id, ALICE)
+    stats = snap["stream"]
+    assert stats["duplicates"] == stats["missing"] == 0 and stats["reconnects"] >= 1
+    assert stats["tokens"] == sum(e["event"] == "token" for e in events) == 200
+    assert stats["events"] == len(events)
+    assert len(grants) >= 2 and set(grants) == {204}  # one per connection
+    streamed = streamed_by_variable(events)
+    values = api_values(api_detail(app.url, run_id, ALICE))
+    for name in ("a", "b"):
+        assert snap["variables"][name]["streamed"] == streamed[name] == values[name]
 
 
 def test_grant_needs_a_valid_key_and_is_a_scoped_short_lived_cookie(app):

@@ -317,3 +317,31 @@ def test_50_calls_and_10k_tokens_cost_constant_work_per_token(page, app):
     (ARTIFACTS / "big-run-perf.json").write_text(json.dumps(report, indent=2))
     print("50 calls / 10k tokens:", json.dumps(report))
     save_screenshot(page, "run-50-calls")
+
+
+def test_open_run_grows_on_the_page_as_calls_and_inputs_arrive(page, app):
+    first = {"name": "draft", "template": "Draft on {{input:topic}}: {{output:draft}}",
+             "outputs": {"draft": {"max_tokens": 20}}}
+    r = httpx.post(f"{app.url}/v1/runs", timeout=30, json={
+        "program": {"calls": [first]}, "inputs": {"topic": "wings"}, "open": True,
+        "outputs": {"draft": "latency"}})
+    run_id = r.json()["run_id"]
+    open_page(page, app.url)
+    page.evaluate(f"() => parrotUI.openRun('{run_id}')")
+    page.wait_for_selector("#dag g[data-call=draft][data-state=done]")
+    added = {"name": "polish", "template": "Polish {{input:draft}} for {{input:reader}}: "
+             "{{output:final}}", "outputs": {"final": {"max_tokens": 20}}}
+    assert httpx.post(f"{app.url}/v1/runs/{run_id}/calls", json={"calls": [added]},
+                      timeout=30).status_code == 200
+    page.wait_for_selector("#dag g[data-call=polish][data-state=queued]")
+    # the call drawn before keeps its state when the DAG is drawn again
+    assert page.get_attribute("#dag g[data-call=draft]", "data-state") == "done"
+    assert httpx.put(f"{app.url}/v1/runs/{run_id}/variables/reader", json={"value": "kids"},
+                     timeout=30).status_code == 200
+    assert httpx.post(f"{app.url}/v1/runs/{run_id}/close", timeout=30).status_code == 200
+    snap = wait_finished(page)
+    values = api_values(api_detail(app.url, run_id))
+    assert set(values) == {"draft", "final"}
+    assert {n: snap["variables"][n]["streamed"] for n in values} == values
+    assert snap["variables"]["reader"]["shown"] == "kids"
+    assert snap["dag"] == {"draft": "done", "polish": "done"}

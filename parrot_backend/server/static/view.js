@@ -41,6 +41,7 @@ export class RunView {
   reset(runId) {
     this.runId = runId;
     this.calls = [];
+    this.programCalls = [];
     this.producer = new Map();
     this.starts = new Map();  // call -> call_started events seen (more: it ran again)
     this.vars = new Map();  // name -> {card, text (Text node), count, status, streamed[]}
@@ -49,14 +50,18 @@ export class RunView {
     this.status = runId ? "pending" : "";
     this.varsBox.replaceChildren();
     this.timelineBox.replaceChildren(el("p", "muted", runId ? "waiting for calls…" : ""));
+    this.dag.nodes.clear();
     this.dag.container.replaceChildren();
     this.dag.legend.replaceChildren();
   }
 
   // The program (from run_created or the run's detail): draw the DAG and the variables.
   setProgram(program, inputs = {}) {
+    const known = [...this.dag.nodes].map(([name, node]) => [name, { ...node.info }]);
+    this.programCalls = program.calls;
     this.calls = describeCalls(program);
     this.dag.build(this.calls, sharedPrefixes(this.calls));
+    for (const [name, info] of known) this.dag.setCall(name, info);  // calls were added
     for (const call of this.calls) {
       for (const name of call.outputs) this.producer.set(name, call.name);
     }
@@ -109,11 +114,9 @@ export class RunView {
         this.setProgram(data.program, data.inputs || {});
         this.status = "running";
         break;
-      case "calls_added": {
-        const program = { calls: [...this.currentProgram(), ...data.calls] };
-        this.setProgram(program);
+      case "calls_added":
+        this.setProgram({ calls: [...this.programCalls, ...data.calls] });
         break;
-      }
       case "objectives":
         for (const [name, o] of Object.entries(data.calls || {})) {
           this.dag.setCall(name, { objective: o.objective, group: o.group });
@@ -155,11 +158,6 @@ export class RunView {
       default:
         break;
     }
-  }
-
-  currentProgram() {
-    return this.calls.map((c) => ({ name: c.name, template: c.segments.map((s) =>
-      s.text ?? (s.input ? `{{input:${s.input}}}` : `{{output:${s.output}}}`)).join("") }));
   }
 
   _restartCall(name) {

@@ -72,8 +72,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
     max_chars: int = 2_000_000,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render `messages` into one prompt string; raise ChatTemplateError on any failure."""
+    """Render `messages` into one prompt string; raise ChatTemplateError on any failure.
+
+    `tools` (OpenAI-style function definitions) reach templates that take them, as
+    Hugging Face's `apply_chat_template(tools=...)` passes them."""
     tokens = special_tokens or {}
     try:
         template = _compile(source if source is not None else DEFAULT_CHAT_TEMPLATE)
@@ -84,6 +88,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             bos_token=tokens.get("bos", tokens.get("bos_token", "")) or "",
             eos_token=tokens.get("eos", tokens.get("eos_token", "")) or "",
+            tools=tools,
         ):
             size += len(piece)
             if size > max_chars:
@@ -100,3 +105,9 @@ def render_chat(
         raise ChatTemplateError(f"chat template too expensive: {type(exc).__name__}") from None
     except Exception as exc:  # TypeError etc. from template expressions on odd inputs
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+
+def takes_tools(source: str | None) -> bool:
+    """Whether a chat template renders tool definitions itself (it reads `tools`); others
+    get them described in a system message (`openai_prep.tool_messages`)."""
+    return source is not None and "tools" in source

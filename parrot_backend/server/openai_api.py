@@ -23,7 +23,6 @@ from .openai_prep import (
     resolve_max_tokens,
 )
 from .openai_schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -33,7 +32,7 @@ from .openai_schemas import (
     ModelCard,
     ModelList,
 )
-from .openai_stream import chat_events, completion_events, usage_of
+from .openai_stream import chat_events, chat_message, completion_events, usage_of
 from .sse import ClosingEventSourceResponse
 from .state import ServerState, StateDep, get_tenant
 
@@ -181,27 +180,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: StateDep) -> Response:
     started = time.perf_counter()
     n = check_common(state, body)
-    prompt_ids = await chat_prompt(state, body)
+    plan = await chat_prompt(state, body)
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = body.max_tokens, "max_tokens"
-    max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
-    sampling = build_sampling(state, body, max_tokens)
-    run = await _admit(state, request, prompt_ids, sampling, n, "chat", started)
+    max_tokens = resolve_max_tokens(state, requested, len(plan.prompt_ids), param)
+    sampling = build_sampling(state, body, max_tokens, plan.constraint)
+    run = await _admit(state, request, plan.prompt_ids, sampling, n, "chat", started)
     if run is None:
         return Response(status_code=499)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(state, chat_events(run, meta, include_usage), run)
+        return _sse(state, chat_events(run, meta, include_usage, plan.parse_tools), run)
     try:
         texts = await _collect(run, request)
     finally:
         await run.close()
     if texts is None:
         return Response(status_code=499)
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=t),
-                          finish_reason=run.finish_reasons[i]) for i, t in enumerate(texts)]
+    choices = []
+    for i, text in enumerate(texts):
+        message, finish = chat_message(text, run.finish_reasons[i], plan.parse_tools)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish))
     return ChatCompletionResponse(**meta, choices=choices, usage=usage_of(run))

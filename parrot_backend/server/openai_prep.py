@@ -6,16 +6,47 @@ raise APIError(400/404) that names the parameter.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from functools import partial
+from typing import Any
 
 import anyio
 
 from ..engine.errors import InvalidRequest
-from ..engine.sampling import SamplingParams
-from .chat_template import ChatTemplateError, render_chat
+from ..engine.grammar import check
+from ..engine.grammar_tools import CLOSE, OPEN, Function, tool_call_grammar
+from ..engine.sampling import Constraint, SamplingParams
+from .chat_template import ChatTemplateError, render_chat, takes_tools
 from .errors import APIError
-from .openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .openai_schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _SamplingFields,
+)
 from .state import ServerState
+
+# How tools are described to a model whose chat template does not render them: the format
+# the parser reads back (engine/grammar_tools.py), in a system message.
+TOOLS_PREAMBLE = (
+    "You can call these functions. Each line inside <tools></tools> describes one, with a "
+    "JSON schema of its arguments:\n<tools>\n{tools}\n</tools>\n"
+    "To call functions, reply with one block per call and nothing else:\n"
+    f"{OPEN}\n"
+    '{{"name": "<function name>", "arguments": <the arguments as a JSON object>}}\n'
+    f"{CLOSE}"
+)
+
+
+@dataclasses.dataclass(slots=True)
+class ChatPlan:
+    """What a chat request becomes: the prompt, its decoding constraint (response format or
+    forced tool call), and whether tool calls are parsed out of the output."""
+
+    prompt_ids: list[int]
+    constraint: Constraint | None = None
+    parse_tools: bool = False
 
 
 def unsupported(param: str, why: str) -> APIError:
@@ -87,7 +118,8 @@ def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: in
     return requested
 
 
-def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int) -> SamplingParams:
+def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int,
+                   constraint: Constraint | None = None) -> SamplingParams:
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -96,6 +128,7 @@ def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int) -
         seed=body.seed,
         stop=stop_list(body.stop),
         ignore_eos=bool(body.ignore_eos),
+        constraint=constraint,
     )
     try:
         params.validate(state.vocab_size)
@@ -151,28 +184,150 @@ async def completion_prompt(state: ServerState, body: CompletionRequest) -> tupl
     return ids, text
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict]:
-    """Messages as the plain dicts chat templates expect (text parts joined)."""
+def _text(message: ChatMessage) -> str:
+    if isinstance(message.content, list):
+        return "\n".join(part.text for part in message.content)
+    return message.content or ""
+
+
+def _arguments(text: str) -> Any:
+    # templates that render calls expect the arguments as a mapping (HF's convention)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _call_block(name: str, arguments: str) -> str:
+    args = _arguments(arguments)
+    body = {"name": name, "arguments": args if not isinstance(args, str) else arguments}
+    return f"{OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{CLOSE}"
+
+
+def chat_messages(body: ChatCompletionRequest, *, native_tools: bool = False) -> list[dict]:
+    """Messages as the plain dicts chat templates expect (text parts joined).
+
+    Tool calls of assistant messages and `tool` messages go to a template that renders
+    tools (`native_tools`) as fields; for any other template they become text in the
+    format the model was told to use: call blocks in the assistant's turn, results as a
+    user turn holding `<tool_response>` (a role the template may not know)."""
     out = []
     for m in body.messages:
-        if isinstance(m.content, list):
-            content = "\n".join(part.text for part in m.content)
-        else:
-            content = m.content or ""
-        msg = {"role": m.role, "content": content}
+        content = _text(m)
+        msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.role == "assistant" and m.tool_calls:
+            if native_tools:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name,
+                                  "arguments": _arguments(c.function.arguments)}}
+                    for c in m.tool_calls]
+            else:
+                blocks = "\n".join(_call_block(c.function.name, c.function.arguments)
+                                    for c in m.tool_calls)
+                msg["content"] = f"{content}\n{blocks}" if content else blocks
+        elif m.role == "tool":
+            if native_tools:
+                if m.tool_call_id is not None:
+                    msg["tool_call_id"] = m.tool_call_id
+            else:
+                msg = {"role": "user",
+                       "content": f"<tool_response>\n{content}\n</tool_response>"}
         out.append(msg)
     return out
 
 
-async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    if body.tools:
-        raise unsupported("tools", "tool calling is not implemented")
-    if body.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling is not implemented")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported("response_format", "only {'type': 'text'} is implemented")
+def tool_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with the tools described in the system message (added when there is
+    none), for templates that do not render tools themselves."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    preamble = TOOLS_PREAMBLE.format(tools=lines)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{preamble}" if first["content"] else preamble
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": preamble}, *messages]
+
+
+def _checked(constraint: Constraint, param: str) -> Constraint:
+    try:
+        check(constraint)
+    except InvalidRequest as exc:
+        raise APIError(400, f"{param}: {exc}", param=param, code="unsupported_schema") from None
+    return constraint
+
+
+def _tool_choice(body: ChatCompletionRequest) -> tuple[str, str | None]:
+    """(mode, forced function name): mode is none, auto, required or named."""
+    choice = body.tool_choice
+    if choice is None:
+        return ("auto" if body.tools else "none"), None
+    if isinstance(choice, str):
+        if choice != "none" and not body.tools:
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        return choice, None
+    if not body.tools:
+        raise APIError(400, "tool_choice names a function but no tools were given",
+                       param="tool_choice")
+    name = choice.function.name
+    if name not in {t.function.name for t in body.tools}:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                       param="tool_choice")
+    return "named", name
+
+
+def _functions(body: ChatCompletionRequest) -> list[Function]:
+    """The tools as grammar functions, each schema checked (400 naming the tool)."""
+    functions, seen = [], set()
+    for i, tool in enumerate(body.tools or []):
+        f = tool.function
+        if f.name in seen:
+            raise APIError(400, f"two tools are named {f.name!r}", param=f"tools[{i}]")
+        seen.add(f.name)
+        parameters = f.parameters if f.parameters is not None else {"type": "object"}
+        _checked(Constraint("json_schema", json.dumps(parameters, ensure_ascii=False)),
+                 f"tools[{i}].function.parameters")
+        functions.append(Function(f.name, parameters))
+    return functions
+
+
+def _content_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+    schema = fmt.json_schema.schema_
+    _checked(Constraint("json_schema", json.dumps(schema, ensure_ascii=False)),
+             "response_format.json_schema.schema")
+    return schema
+
+
+def _constraint(body: ChatCompletionRequest, mode: str, forced: str | None,
+                functions: list[Function]) -> Constraint | None:
+    """The decoding constraint: forced tool calls, a response format, or (tools offered
+    freely under a response format) either of the two."""
+    content = _content_schema(body)
+    parallel = body.parallel_tool_calls is not False
+    if mode in ("required", "named"):
+        chosen = [f for f in functions if forced is None or f.name == forced]
+        grammar = tool_call_grammar(chosen, parallel=parallel)
+    elif mode == "auto" and content is not None:
+        grammar = tool_call_grammar(functions, parallel=parallel, content_schema=content)
+    elif content is not None:
+        return Constraint("json_schema", json.dumps(content, ensure_ascii=False))
+    else:
+        return None
+    return _checked(Constraint("lark", grammar), "tools")
+
+
+async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
+    """The prompt and decoding plan of a chat request (400s name the bad parameter)."""
     if body.logprobs or body.top_logprobs:
         raise unsupported("logprobs", "log probabilities are not implemented")
     template = state.chat_template
@@ -181,14 +336,26 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
             raise APIError(400, "chat_template in a request is disabled on this server",
                            param="chat_template")
         template = body.chat_template
+    mode, forced = _tool_choice(body)
+    functions = _functions(body)
+    constraint = _constraint(body, mode, forced, functions)
+    native = takes_tools(template)
+    messages = chat_messages(body, native_tools=native)
+    tools = None
+    if mode != "none":  # with 'none' the model is not told of tools it may not call
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
+        if not native:
+            messages, tools = tool_messages(messages, tools), None
     render = partial(
-        render_chat, template, chat_messages(body),
+        render_chat, template, messages,
         add_generation_prompt=body.add_generation_prompt is not False,
         special_tokens=state.special_tokens,
         max_chars=state.settings.max_chat_template_chars,
+        tools=tools,
     )
     try:
         text = await anyio.to_thread.run_sync(render)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
-    return await tokenize(state, text, "messages")
+    return ChatPlan(await tokenize(state, text, "messages"), constraint,
+                    parse_tools=mode != "none")

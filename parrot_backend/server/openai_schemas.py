@@ -82,15 +82,69 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(_Request):
+    name: str = Field(max_length=64)
+    arguments: str = Field(description="the arguments as JSON text, as the model wrote them")
+
+
+class ToolCall(_Request):
+    """A tool call of an earlier assistant message, sent back with the conversation."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: str | None = Field(default=None, max_length=256)
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="JSON schema of the arguments; omitted: any object")
+    strict: bool | None = Field(default=None, description="Arguments always match "
+                                "`parameters` when the call is forced; accepted either way.")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice,
+    _one_of("'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"),
+]
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -99,8 +153,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="Default: 'auto' with tools, 'none' without.")
+    parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool | None = True
     chat_template: str | None = Field(
@@ -145,9 +201,33 @@ class CompletionResponse(_Response):
     usage: Usage
 
 
-class AssistantMessage(_Response):
+class _DropNone(_Response):
+    """Leaves out the None fields named in `_optional`, as OpenAI's stream chunks do."""
+
+    _optional: frozenset[str] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop(self, handler):
+        data = handler(self)
+        return {k: v for k, v in data.items() if not (k in self._optional and v is None)}
+
+
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class AssistantMessage(_DropNone):
+    _optional = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
@@ -166,21 +246,28 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class _DropNone(_Response):
-    """Leaves out the None fields named in `_optional`, as OpenAI's stream chunks do."""
+class FunctionDelta(_DropNone):
+    _optional = frozenset({"name", "arguments"})
+    name: str | None = None
+    arguments: str | None = None
 
-    _optional: frozenset[str] = frozenset()
 
-    @model_serializer(mode="wrap")
-    def _drop(self, handler):
-        data = handler(self)
-        return {k: v for k, v in data.items() if not (k in self._optional and v is None)}
+class ToolCallDelta(_DropNone):
+    """A streamed tool call: its first delta carries id, type and name; later ones append
+    to the arguments."""
+
+    _optional = frozenset({"id", "type"})
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class ChatDelta(_DropNone):
-    _optional = frozenset({"role", "content"})
+    _optional = frozenset({"role", "content", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 from ..engine.errors import EngineError
+from ..engine.grammar_tools import Event, ToolCallParser, parse_tool_calls
 from .errors import APIError, from_engine_error
 from .generation import RequestRun
 from .openai_schemas import (
+    AssistantMessage,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
     CompletionChoice,
     CompletionChunk,
+    FunctionCallOut,
+    FunctionDelta,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
 from .sse import DONE_FRAME, data_frame
@@ -69,16 +76,73 @@ def _completion_chunk(meta: dict, index: int, text: str, finish: str | None) -> 
     return data_frame(chunk.model_dump(mode="json"))
 
 
-async def chat_events(run: RequestRun, meta: dict, include_usage: bool) -> AsyncIterator[bytes]:
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_finish(finish: str | None, has_calls: bool) -> str | None:
+    """OpenAI's finish reason: a generation that ended by itself after calling tools ended
+    with `tool_calls`; one cut by max_tokens stays `length`."""
+    return "tool_calls" if has_calls and finish == "stop" else finish
+
+
+def chat_message(text: str, finish: str | None, parse_tools: bool
+                 ) -> tuple[AssistantMessage, str | None]:
+    """The assistant message of a whole generation, its tool calls parsed out if asked."""
+    if not parse_tools:
+        return AssistantMessage(content=text), finish
+    content, calls = parse_tool_calls(text)
+    if not calls:
+        return AssistantMessage(content=text), finish
+    tool_calls = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(
+        name=c.name, arguments=c.arguments)) for c in calls]
+    return (AssistantMessage(content=content or None, tool_calls=tool_calls),
+            tool_finish(finish, True))
+
+
+def _tool_deltas(meta: dict, index: int, events: list[Event], ids: dict[int, str]
+                 ) -> list[bytes]:
+    """Chunks for what a parser found: content as content, each call's first delta with
+    its id and name, then its arguments as they grow."""
+    out = []
+    for kind, call, text in events:
+        if kind == "content":
+            out.append(_chat_chunk(meta, index, ChatDelta(content=text), None))
+            continue
+        if kind == "call":
+            ids[call] = new_call_id()
+            part = ToolCallDelta(index=call, id=ids[call], type="function",
+                                 function=FunctionDelta(name=text, arguments=""))
+        else:
+            part = ToolCallDelta(index=call, function=FunctionDelta(arguments=text))
+        out.append(_chat_chunk(meta, index, ChatDelta(tool_calls=[part]), None))
+    return out
+
+
+async def chat_events(run: RequestRun, meta: dict, include_usage: bool,
+                      parse_tools: bool = False) -> AsyncIterator[bytes]:
+    parsers = [ToolCallParser() for _ in range(run.n)] if parse_tools else None
+    ids: list[dict[int, str]] = [{} for _ in range(run.n)]
     try:
         # The first delta of each choice carries the role, as OpenAI's does.
         for index in range(run.n):
             yield _chat_chunk(meta, index, ChatDelta(role="assistant", content=""), None)
         async for index, delta in run:
+            if parsers is None:
+                if delta.text:
+                    yield _chat_chunk(meta, index, ChatDelta(content=delta.text), None)
+                if delta.finish_reason is not None:
+                    yield _chat_chunk(meta, index, ChatDelta(), delta.finish_reason)
+                continue
+            parser = parsers[index]
             if delta.text:
-                yield _chat_chunk(meta, index, ChatDelta(content=delta.text), None)
+                for chunk in _tool_deltas(meta, index, parser.feed(delta.text), ids[index]):
+                    yield chunk
             if delta.finish_reason is not None:
-                yield _chat_chunk(meta, index, ChatDelta(), delta.finish_reason)
+                for chunk in _tool_deltas(meta, index, parser.finish(), ids[index]):
+                    yield chunk
+                finish = tool_finish(delta.finish_reason, bool(parser.calls))
+                yield _chat_chunk(meta, index, ChatDelta(), finish)
         if include_usage:
             yield data_frame(ChatCompletionChunk(**meta, choices=[], usage=usage_of(run))
                              .model_dump(mode="json"))

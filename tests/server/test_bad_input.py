@@ -120,10 +120,26 @@ CASES = [
     ("logprobs-chat", CH, ch(logprobs=True), 400, "logprobs"),
     ("best-of", C, c(best_of=3), 400, "best_of"),
     ("suffix", C, c(suffix="end"), 400, "suffix"),
-    ("tools", CH, ch(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tool-unsupported-schema", CH, ch(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]), 400,
+     "tools[0].function.parameters: json_schema uses keywords the grammar engine does not "
+     "support: uniqueItems"),
+    ("tool-bad-name", CH, ch(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
+     "name"),
+    ("tool-duplicate-name", CH, ch(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
+     400, "two tools are named 'f'"),
     ("tool-choice", CH, ch(tool_choice="required"), 400, "tool_choice"),
-    ("response-format-json", CH, ch(response_format={"type": "json_object"}), 400,
-     "response_format"),
+    ("tool-choice-unknown-function", CH, ch(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}), 400, "not among the tools"),
+    ("tool-choice-bad-string", CH, ch(tool_choice="always"), 400, "tool_choice"),
+    ("response-format-json-schema-without-schema", CH, ch(response_format={
+        "type": "json_schema", "json_schema": {"name": "x"}}), 400, "needs json_schema.schema"),
+    ("response-format-unsupported-keyword", CH, ch(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}), 400,
+     "does not support: not"),
+    ("response-format-with-stop", CH, ch(response_format={"type": "json_object"}, stop=["}"]),
+     400, "stop strings cannot be combined"),
     ("response-format-unknown", CH, ch(response_format={"type": "yaml"}), 400,
      "response_format"),
     ("request-chat-template-disabled", CH, ch(chat_template="{{ 1 }}"), 400, "disabled"),

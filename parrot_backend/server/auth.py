@@ -108,12 +108,12 @@ def events_grant_tenant(key: bytes, token: str | None, run_id: str, *,
     (forged, altered, expired, for another run, malformed)."""
     if not token or token.count(".") != 1 or len(token) > 2048:
         return None
-    body, sig = token.split(".")
-    want = _b64(hmac.new(key, body.encode("ascii", "replace"), hashlib.sha256).digest())
-    if not hmac.compare_digest(sig, want):
+    body, sig = (part.encode("utf-8", "surrogatepass") for part in token.split("."))
+    want = _b64(hmac.new(key, body, hashlib.sha256).digest()).encode("ascii")
+    if not hmac.compare_digest(sig, want):  # bytes: any text compares, in constant time
         return None
     try:
-        claims = json.loads(_unb64(body))
+        claims = json.loads(_unb64(body.decode("ascii")))
     except ValueError:
         return None
     if not isinstance(claims, dict) or claims.get("r") != run_id:

@@ -63,7 +63,7 @@ def _grant(app, run_id: str, headers=ALICE) -> httpx.Response:
 def _events(app, run_id: str, token: str) -> httpx.Response:
     """The events route with the grant as the only credential (as EventSource sends it)."""
     return httpx.get(f"{app.url}/v1/runs/{run_id}/events",
-                     headers={"Cookie": f"{GRANT_COOKIE}={token}"}, timeout=30)
+                     headers={"Cookie": f"{GRANT_COOKIE}={token}".encode()}, timeout=30)
 
 
 def test_page_asks_for_a_key_rejects_a_wrong_one_and_streams_with_the_right_one(page, app):
@@ -200,7 +200,7 @@ def test_forged_altered_expired_and_foreign_grants_are_rejected(app):
     expired = mint_events_grant(key, "alice", run_id, now=time.time() - GRANT_TTL_S - 1)
     body, sig = good.split(".")
     altered = mint_events_grant(key, "bob", run_id).split(".")[0] + "." + sig
-    for token in (forged, expired, altered, body, good + "x", "", "a.b", "...."):
+    for token in (forged, expired, altered, body, good + "x", "", "a.b", "....", "ünï.cødé"):
         r = _events(app, run_id, token)
         assert r.status_code == 401, token
         assert r.json()["error"]["type"] == "authentication_error"
@@ -217,7 +217,9 @@ def test_grant_tokens_verify_only_unaltered_unexpired_and_for_their_run():
     assert events_grant_tenant(key, token, run, now=1060.0) is None  # expired
     assert events_grant_tenant(key, token, other, now=1000.0) is None
     assert events_grant_tenant(grant_key(b"other"), token, run, now=1000.0) is None
-    for bad in (None, "", "x", "a.b.c", "%%%.%%%", token.upper(), "." + token.split(".")[1]):
+    body, sig = token.split(".")
+    for bad in (None, "", "x", "a.b.c", "%%%.%%%", token.upper(), "." + sig, f"{body}.é",
+                f"é.{sig}", f"{body}.\udcff", "x" * 3000 + "." + sig):
         assert events_grant_tenant(key, bad, run, now=1000.0) is None
 
 

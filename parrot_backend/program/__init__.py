@@ -14,13 +14,16 @@ from .errors import (
     UnknownVariableError,
 )
 from .generation import GenerationConfig
-from .spec import CallSpec, Criterion, ProgramSpec, RunSpec
+from .spec import AnyCallSpec, CallSpec, ChatCallSpec, ChatMessage, Criterion, ProgramSpec, RunSpec
 from .template import InputRef, OutputRef, Segment, Text, parse, render, unparse
 from .variable import SemanticVariable
 
 __all__ = [
+    "AnyCallSpec",
     "Call",
     "CallSpec",
+    "ChatCallSpec",
+    "ChatMessage",
     "Criterion",
     "CycleError",
     "DuplicateCallError",

@@ -7,9 +7,9 @@ templates and checks the structure (a ProgramError, i.e. a 400 naming the offend
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .call import Call
 from .dag import Program
@@ -18,7 +18,16 @@ from .generation import GenerationConfig
 from .template import NAME_PATTERN, is_valid_name
 from .text import MAX_NAME_LENGTH, StorableModel
 
-__all__ = ["CallSpec", "ChatMessage", "Criterion", "GenerationConfig", "ProgramSpec", "RunSpec"]
+__all__ = [
+    "AnyCallSpec",
+    "CallSpec",
+    "ChatCallSpec",
+    "ChatMessage",
+    "Criterion",
+    "GenerationConfig",
+    "ProgramSpec",
+    "RunSpec",
+]
 
 Criterion = Literal["latency", "throughput"]
 
@@ -34,40 +43,60 @@ class ChatMessage(BaseModel):
 
 
 class CallSpec(BaseModel):
-    """One call: a template (or chat `messages`) and the generation config of its outputs.
+    """One call: a template and the generation config of its outputs.
 
     Outputs of the template missing from `outputs` get the default config; names in
     `outputs` that the template does not generate are an error. An unnamed call is named
     `#<index>` after its place in the program (user names cannot start with `#`).
-
-    A chat call gives `messages` instead of `template`: the last one is the assistant
-    turn the call generates (`{"role": "assistant", "content": "{{output:y}}"}`). The
-    server renders them with the served model's chat template into a plain template
-    (`server/native_chat.py`) before the program is built or stored.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = Field(None, pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH)
-    template: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    template: str
     outputs: dict[str, GenerationConfig] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _template_or_messages(self) -> CallSpec:
-        if (self.template is None) == (self.messages is None):
-            raise ValueError("a call has either a template or chat messages (not both)")
-        return self
+    messages: ClassVar[None] = None  # (a ChatCallSpec has messages instead)
 
     def build(self, index: int) -> Call:
         """The parsed call; `index` names it when it has no name."""
         name = self.name if self.name is not None else f"#{index}"
-        if self.template is None:
-            raise ProgramError(
-                f"call {name!r}: chat messages must be rendered with the model's chat "
-                "template first (the server does this when the program is submitted)"
-            )
         return Call.from_template(name, self.template, self.outputs)
+
+
+class ChatCallSpec(BaseModel):
+    """A chat call: `messages` instead of a template, the last one the assistant turn it
+    generates (`{"role": "assistant", "content": "{{output:y}}"}`). The server renders
+    them with the served model's chat template into a plain template
+    (`server/native_chat.py`) before the program is built or stored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str | None = Field(None, pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH)
+    messages: list[ChatMessage] = Field(min_length=1)
+    outputs: dict[str, GenerationConfig] = Field(default_factory=dict)
+    template: ClassVar[None] = None  # (rendered into a CallSpec's template)
+
+    def build(self, index: int) -> Call:
+        """Refused: chat calls are built once the server has rendered them."""
+        name = self.name if self.name is not None else f"#{index}"
+        raise ProgramError(
+            f"call {name!r}: chat messages must be rendered with the model's chat "
+            "template first (the server does this when the program is submitted)"
+        )
+
+
+def _call_kind(value: object) -> str:
+    if isinstance(value, dict):
+        return "chat" if "messages" in value and "template" not in value else "template"
+    return "chat" if isinstance(value, ChatCallSpec) else "template"
+
+
+# A call is a template call or a chat call, told apart by its fields (errors then name
+# the fields of the kind it is, and the published schema says one of the two).
+AnyCallSpec = Annotated[
+    Annotated[CallSpec, Tag("template")] | Annotated[ChatCallSpec, Tag("chat")],
+    Discriminator(_call_kind),
+]
 
 
 class ProgramSpec(BaseModel):
@@ -79,7 +108,7 @@ class ProgramSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    calls: list[CallSpec] = Field(min_length=1)
+    calls: list[AnyCallSpec] = Field(min_length=1)
     public: bool = False
 
     def build(self) -> Program:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parrot_backend.program import CallSpec, ProgramSpec, RunSpec, TemplateError
+from parrot_backend.program import CallSpec, ChatCallSpec, ProgramSpec, RunSpec, TemplateError
 from parrot_backend.program.template import InputRef, OutputRef, Segment, Text, parse, unparse
 
 from .chat_template import ChatTemplateError, render_chat
@@ -35,7 +35,7 @@ def lower_program(program: ProgramSpec, chat_template: str | None,
                   special_tokens: dict[str, str]) -> ProgramSpec:
     """`program` with every chat call rendered into a template (the same object when it
     has none)."""
-    if all(c.messages is None for c in program.calls):
+    if not any(isinstance(c, ChatCallSpec) for c in program.calls):
         return program
     calls = [lower_call(c, chat_template, special_tokens, i) for i, c in enumerate(program.calls)]
     return program.model_copy(update={"calls": calls})
@@ -48,17 +48,17 @@ def lower_run(spec: RunSpec, chat_template: str | None,
     return spec if program is spec.program else spec.model_copy(update={"program": program})
 
 
-def lower_calls(calls: list[CallSpec], chat_template: str | None,
+def lower_calls(calls: list[CallSpec | ChatCallSpec], chat_template: str | None,
                 special_tokens: dict[str, str], first: int) -> list[CallSpec]:
     """Calls added to an open run, chat calls rendered (`first`: the first one's index)."""
     return [lower_call(c, chat_template, special_tokens, first + i)
             for i, c in enumerate(calls)]
 
 
-def lower_call(call: CallSpec, chat_template: str | None, special_tokens: dict[str, str],
-               index: int) -> CallSpec:
+def lower_call(call: CallSpec | ChatCallSpec, chat_template: str | None,
+               special_tokens: dict[str, str], index: int) -> CallSpec:
     """One call, its messages (if any) rendered into a template."""
-    if call.messages is None:
+    if not isinstance(call, ChatCallSpec):
         return call
     name = call.name if call.name is not None else f"#{index}"
     refs: list[InputRef | OutputRef] = []

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from parrot_backend.program import CallSpec, Criterion, ProgramSpec
-from parrot_backend.program.spec import check_names
+from parrot_backend.program import Criterion, ProgramSpec
+from parrot_backend.program.spec import AnyCallSpec, check_names
 from parrot_backend.program.template import NAME_PATTERN
 from parrot_backend.program.text import MAX_NAME_LENGTH, StorableModel
 
@@ -53,7 +53,7 @@ class _Strict(StorableModel):
 class AddCallsRequest(_Strict):
     """Calls to add to an open run, inputs to set after them, and whether to close it."""
 
-    calls: list[CallSpec] = Field(default_factory=list, max_length=1000)
+    calls: list[AnyCallSpec] = Field(default_factory=list, max_length=1000)
     inputs: dict[str, str] = Field(default_factory=dict)
     close: bool = False
 

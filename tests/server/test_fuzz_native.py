@@ -131,7 +131,9 @@ def _bounded_poll(query: dict) -> None:
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomized: the same cases every run (a generator limit of schemathesis, hit on a random
+# draw, must not make CI flaky); widen max_examples locally to explore
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_native_no_server_errors(case, seeded: Seeded):
     """No generated request, valid or not, gets a 5xx or goes unanswered."""
     params = case.path_parameters

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from parrot_backend.engine.engine import Engine
-from parrot_backend.program import CallSpec, ProgramSpec
+from parrot_backend.program import ChatCallSpec, ProgramSpec
 from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.chat_template import DEFAULT_CHAT_TEMPLATE
 from parrot_backend.server.native_chat import ChatCallError, lower_call, lower_program
@@ -30,7 +30,8 @@ def chat_call(name: str, user: str, out: str, **outputs) -> dict:
 
 
 def test_messages_render_into_a_plain_template_with_the_chat_markup_fixed():
-    call = CallSpec.model_validate(chat_call("c", "Tell me about {{input:topic}}. \\{{x}}", "a"))
+    call = ChatCallSpec.model_validate(
+        chat_call("c", "Tell me about {{input:topic}}. \\{{x}}", "a"))
     lowered = lower_call(call, DEFAULT_CHAT_TEMPLATE, {}, 0)
     assert lowered.messages is None and lowered.outputs == call.outputs
     assert lowered.template == (
@@ -52,17 +53,20 @@ def test_messages_render_into_a_plain_template_with_the_chat_markup_fixed():
      "message 0"),
 ])
 def test_bad_chat_calls_are_clear_errors(messages, says):
-    call = CallSpec.model_validate({"name": "c", "messages": messages})
+    call = ChatCallSpec.model_validate({"name": "c", "messages": messages})
     with pytest.raises(ChatCallError, match=says):
         lower_call(call, DEFAULT_CHAT_TEMPLATE, {}, 0)
 
 
 def test_a_call_has_a_template_or_messages():
-    with pytest.raises(ValueError, match="either"):
-        CallSpec.model_validate({"template": "x {{output:o}}",
-                                 "messages": [{"role": "user", "content": "x"}]})
-    with pytest.raises(ValueError, match="either"):
-        CallSpec.model_validate({"name": "c"})
+    with pytest.raises(ValueError, match="messages"):  # a template call has no messages
+        ProgramSpec.model_validate({"calls": [{"template": "x {{output:o}}", "messages": [
+            {"role": "user", "content": "x"}]}]})
+    with pytest.raises(ValueError, match="template"):
+        ProgramSpec.model_validate({"calls": [{"name": "c"}]})
+    chat = ProgramSpec.model_validate({"calls": [{"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "{{output:o}}"}]}]})
+    assert isinstance(chat.calls[0], ChatCallSpec)
 
 
 @pytest.fixture

@@ -44,6 +44,39 @@ class GrammarError(InvalidRequest):
     malformed regex), or a matcher failed while generating."""
 
 
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` and says nothing about others
+    closed to others (`additionalProperties: false`), as OpenAI's strict mode and
+    xgrammar's strict mode do: a model that may add keys adds them (SmolLM2 copies the
+    schema's own keywords into its arguments), and a consumer never wants them. Write
+    `additionalProperties: true` to allow them. An object whose properties are combined
+    with `allOf`/`anyOf`/`oneOf` branches is left open, branches included: closing one
+    part would forbid the properties of the others."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    combined = "properties" in out and any(k in out for k in _COMBINATORS)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list) and not (combined and key in _COMBINATORS):
+            out[key] = [closed(v) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if ("properties" in out and not combined and "additionalProperties" not in out
+            and "unevaluatedProperties" not in out and "patternProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_source(constraint: Constraint) -> str:
     """The llguidance grammar (its serialized form) for a constraint; GrammarError when the
     spec is not even well-formed (the grammar itself is checked by `check`)."""
@@ -56,7 +89,8 @@ def grammar_source(constraint: Constraint) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("json_schema must be a JSON object (or true)")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed(schema),
+                                                                 defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise GrammarError(f"json_schema: {exc}") from None
     if kind == "regex":

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .grammar import JSON_OPTIONS
+from .grammar import JSON_OPTIONS, closed
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -45,7 +45,8 @@ class Function:
 def call_schema(function: Function) -> dict[str, Any]:
     """The JSON schema of one call object of `function` (name first: streams learn it early)."""
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": function.name}, "arguments": function.parameters}}
+            "properties": {"name": {"const": function.name},
+                           "arguments": closed(function.parameters)}}
 
 
 def tool_call_grammar(functions: Sequence[Function], *, parallel: bool = True,
@@ -68,7 +69,7 @@ def tool_call_grammar(functions: Sequence[Function], *, parallel: bool = True,
         lines.insert(0, "start: calls")
     else:
         lines.insert(0, "start: calls | content")
-        content = json.dumps(_spelled(content_schema), ensure_ascii=False)
+        content = json.dumps(_spelled(closed(content_schema)), ensure_ascii=False)
         lines.append(f"content: %json {content}")
     return "\n".join(lines) + "\n"
 

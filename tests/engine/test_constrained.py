@@ -17,7 +17,7 @@ import torch
 
 from parrot_backend.engine.engine import Engine
 from parrot_backend.engine.errors import InvalidRequest
-from parrot_backend.engine.grammar import GrammarCompiler, GrammarError, check
+from parrot_backend.engine.grammar import GrammarCompiler, GrammarError, check, closed
 from parrot_backend.engine.sampler import Sampler, grammar_masks
 from parrot_backend.engine.sampling import Constraint, SamplingParams
 
@@ -395,3 +395,37 @@ def test_require_complete_fails_a_cut_generation_instead_of_ending_it(tiny_model
     cut, done = asyncio.run(main())
     assert cut[2][-1].finish_reason == "length"
     assert done[2][-1].finish_reason == "stop" and json.loads(done[1])
+
+
+@pytest.mark.parametrize(("schema", "expected"), [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}},
+     {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}),
+    ({"properties": {"a": {}}, "additionalProperties": True},
+     {"properties": {"a": {}}, "additionalProperties": True}),
+    ({"type": "array", "items": {"properties": {"x": {}}}},
+     {"type": "array", "items": {"properties": {"x": {}}, "additionalProperties": False}}),
+    ({"anyOf": [{"properties": {"q": {}}}], "$defs": {"n": {"properties": {}}}},
+     {"anyOf": [{"properties": {"q": {}}, "additionalProperties": False}],
+      "$defs": {"n": {"properties": {}, "additionalProperties": False}}}),
+    # properties combined with branches stay open, branches too
+    ({"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
+     {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]}),
+    ({"allOf": [{"properties": {"a": {}}}]}, {"allOf": [{"properties": {"a": {}}}]}),
+    ({"type": "object"}, {"type": "object"}),  # no properties listed: any object
+], ids=["object", "explicitly-open", "items", "branches-and-defs", "combined", "allOf",
+        "any-object"])
+def test_objects_that_list_properties_are_closed(schema, expected):
+    assert closed(schema) == expected
+
+
+def test_a_closed_schema_keeps_noise_from_adding_keys(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    schema = {"type": "object", "properties": {"n": _I}, "required": ["n"]}
+
+    async def main():
+        async with engine:
+            return await _generate_all(engine, [Constraint("json_schema", json.dumps(schema))],
+                                       "JSON:")
+
+    for _, _, text, finish in asyncio.run(main()):
+        assert finish == "stop" and list(json.loads(text)) == ["n"], text

@@ -29,10 +29,25 @@ class Usage(Wire):
     total_tokens: int
 
 
+class FunctionCall(Wire):
+    """The function a tool call names, and its arguments as JSON text."""
+
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(Wire):
+    """One tool call of a (non-streamed) assistant message."""
+
+    id: str
+    function: FunctionCall
+
+
 class ChatMessage(Wire):
     """The assistant message of a chat choice."""
 
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Wire):
@@ -52,10 +67,26 @@ class ChatCompletion(Wire):
     usage: Usage | None = None
 
 
+class FunctionDelta(Wire):
+    """A streamed call's name (first delta) or the next piece of its arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Wire):
+    """A piece of a streamed tool call; `index` tells the calls apart."""
+
+    index: int
+    id: str | None = None
+    function: FunctionDelta = Field(default_factory=FunctionDelta)
+
+
 class ChatDelta(Wire):
     """The new part of a streamed chat message."""
 
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Wire):

@@ -18,7 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 class TestChatParrotIntegration(ChatModelIntegrationTests):
-    """The suite's defaults hold for every flag but the two below."""
+    """The suite's defaults hold for every flag but the three below."""
 
     @pytest.fixture(autouse=True)
     def _server(self, parrot_server: ParrotServer) -> None:
@@ -33,7 +33,14 @@ class TestChatParrotIntegration(ChatModelIntegrationTests):
         # Greedy and bounded: the integration suite adds no parameters of its own, and the
         # server's default budget is the rest of the context (minutes of CPU decoding).
         return {"model": MODEL, "base_url": self.server.url, "api_key": self.server.api_key,
-                "temperature": 0, "max_tokens": 32, "timeout": 120}
+                "temperature": 0, "max_tokens": 100, "timeout": 120}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        # response_format {"type": "json_object"}: decoding is constrained to a JSON object.
+        # (Tool calling, tool_choice and structured output are detected from bind_tools and
+        # with_structured_output.)
+        return True
 
     @property
     def supports_model_override(self) -> bool:

@@ -22,6 +22,13 @@ class TestChatParrotUnit(ChatModelUnitTests):
         return {"model": MODEL, "base_url": "http://127.0.0.1:9"}
 
     @property
+    def supports_json_mode(self) -> bool:
+        # response_format {"type": "json_object"}: decoding is constrained to a JSON object.
+        # (Tool calling, tool_choice and structured output are detected from bind_tools and
+        # with_structured_output.)
+        return True
+
+    @property
     def init_from_env_params(self) -> tuple[dict, dict, dict]:
         return ({"PARROT_BASE_URL": "http://parrot.example:8000", "PARROT_API_KEY": "sk-env"},
                 {},

@@ -96,6 +96,7 @@ class CallRunner:
         self.tokenize = tokenize
         self.owned: list[_Ctx] = []
         self.tokens = 0  # tokens generated (every delta carrying a token id)
+        self.finishes: dict[str, str | None] = {}  # output -> why its generation ended
 
     async def run(
         self,
@@ -148,6 +149,7 @@ class CallRunner:
             await stream.aclose()  # (a stream that ran to its end has nothing to close)
             raise
         value = "".join(parts)
+        self.finishes[step.output] = finish
         await on_value(step, value)
         if fork and finish == "stop":
             target = cur.child()

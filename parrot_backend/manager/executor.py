@@ -863,6 +863,8 @@ class Manager:
             await runner.run(
                 r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value
             )
+            finished = {"call": name, "prompt_tokens": len(r.plan.prompt),
+                        "completion_tokens": runner.tokens, "finish_reasons": runner.finishes}
         except asyncio.CancelledError:
             await self._cleanup(runner, engine_id, keys)
             raise
@@ -887,9 +889,9 @@ class Manager:
         try:
             if error is None:
                 if self.listeners:
-                    await self._emit(run, "call_finished", {"call": name})
+                    await self._emit(run, "call_finished", finished)
                 else:
-                    run.log.append("call_finished", {"call": name})
+                    run.log.append("call_finished", finished)
                 run.calls[name].state = "finished"
                 if run.can_finish():  # (without a coroutine when it cannot)
                     await self._maybe_finish(run)

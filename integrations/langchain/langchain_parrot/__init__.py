@@ -1,9 +1,10 @@
-"""LangChain models for a parrot-backend server: `ChatParrot` (chat) and `ParrotLLM` (text).
-
-Both speak the server's OpenAI-compatible routes; they need langchain-core and httpx only.
+"""LangChain for a parrot-backend server: `ChatParrot` (chat) and `ParrotLLM` (text) on
+the server's OpenAI-compatible routes, and `compile_chain`, which runs a whole LCEL chain
+as one server-side program. They need langchain-core and httpx only.
 """
 
 from .chat_models import ChatParrot
+from .compile import CompiledChain, compile_chain
 from .errors import (
     ParrotAPIError,
     ParrotAuthenticationError,
@@ -19,6 +20,7 @@ from .llms import ParrotLLM
 
 __all__ = [
     "ChatParrot",
+    "CompiledChain",
     "ParrotAPIError",
     "ParrotAuthenticationError",
     "ParrotBadRequestError",
@@ -29,4 +31,5 @@ __all__ = [
     "ParrotResponseError",
     "ParrotServerError",
     "ParrotTimeoutError",
+    "compile_chain",
 ]

@@ -55,9 +55,11 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium_path) -> Iterator:
-    """One headless Chromium for the session (each test gets its own context)."""
+    """One headless Chromium per module (each test gets its own context). Not one per
+    session: while Playwright's sync API runs, its event loop is the thread's running
+    loop, and pytest-asyncio's tests after these would fail to start theirs."""
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="playwright for Python is not installed (the [test] "
         "extra installs it)")

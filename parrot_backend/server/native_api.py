@@ -65,7 +65,7 @@ def summary(run: RunRecord) -> RunSummary:
 
 def variable_view(v: VariableRecord) -> VariableView:
     return VariableView(name=v.name, status=v.status, value=v.value, error=v.error,  # type: ignore[arg-type]
-                        producer_call=v.producer_call, set_at=v.set_at)
+                        producer_call=v.producer_call, set_at=v.set_at, type=v.type)
 
 
 def detail_view(d: RunDetail) -> RunDetailView:

@@ -113,10 +113,13 @@ class CallsAdded(BaseModel):
 
 
 class VariableView(BaseModel):
-    """A semantic variable: `pending`, `ready` (with `value`) or `failed` (with `error`)."""
+    """A semantic variable: `pending`, `ready` (with `value`) or `failed` (with `error`).
+    `type`: `text`, or the constraint its value was generated under (`json_schema`,
+    `regex`, `choice`)."""
 
     name: str
     status: Literal["pending", "ready", "failed"]
+    type: str = "text"
     value: str | None = None
     error: str | None = None
     producer_call: int | None = None

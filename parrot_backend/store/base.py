@@ -155,6 +155,7 @@ def variable_record(v: Variable) -> VariableRecord:
         producer_call=v.producer_call,
         set_at=v.set_at,
         error=v.error,
+        type=v.type,
     )
 
 

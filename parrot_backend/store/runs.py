@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -41,7 +40,7 @@ from parrot_backend.store.errors import InvalidRequestError, NotFoundError
 from parrot_backend.store.events import append_in
 from parrot_backend.store.models import VALUE_TYPES, Call, CallInput, Run, Variable
 from parrot_backend.store.plan import CallPlan, check_producers, parse_calls
-from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun, VariableRecord
+from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun
 
 _RUNS = Run.__table__
 _VARS = Variable.__table__
@@ -75,11 +74,6 @@ def output_types(calls: Sequence[Mapping[str, Any]]) -> dict[str, str]:
                 raise InvalidRequestError(f"call {i}: types names {name!r}, not an output")
             types[name] = kind
     return types
-
-
-def with_type(record: VariableRecord, row: Any) -> VariableRecord:
-    """A variable's record with its type (the base conversion predates types)."""
-    return record if row.type == record.type else replace(record, type=row.type)
 
 
 def _insert_calls(
@@ -145,7 +139,7 @@ def _detail(db: Session | Connection, run: Row[Any]) -> RunDetail:
         run=run_record(run),
         program=run.program,
         inputs=dict(run.inputs),
-        variables={v.name: with_type(variable_record(v), v) for v in variables},
+        variables={v.name: variable_record(v) for v in variables},
         calls=tuple(call_record(c) for c in calls),
     )
 

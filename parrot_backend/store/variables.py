@@ -15,7 +15,6 @@ from parrot_backend.store.errors import NotFoundError
 from parrot_backend.store.events import append_in
 from parrot_backend.store.models import Run, Variable
 from parrot_backend.store.records import VariableRecord
-from parrot_backend.store.runs import with_type
 
 _VARS = Variable.__table__
 _RUNS = Run.__table__
@@ -133,4 +132,4 @@ class VariablesMixin(StoreBase):
             )
             if var is None:
                 raise NotFoundError(f"run {run_id!r} has no variable {name!r}")
-            return with_type(variable_record(var), var)
+            return variable_record(var)

@@ -82,6 +82,9 @@ async def test_typed_values_match_and_reach_downstream_calls_as_text(real):
                                   {"r": rid}).all())
     assert types == {"animal": "text", "data": "json_schema", "label": "choice",
                      "code": "regex", "summary": "text"}
+    assert {n: v["type"] for n, v in variables.items()} == types  # the API shows them
+    r = await c.get(f"/v1/runs/{rid}/variables/data")
+    assert r.json()["type"] == "json_schema"
     # the downstream call saw the values as plain text: the same prompt sent whole to the
     # request-level route generates the same summary
     prompt = f"Data: {values['data']} Label: {values['label']} =>"

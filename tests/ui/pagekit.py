@@ -29,8 +29,13 @@ def start_run(page, spec: dict) -> str:
 
 
 def wait_finished(page, timeout_ms: int = 60_000) -> dict:
-    """Wait until the page's stream ended with the run; returns the page's snapshot."""
-    page.wait_for_function(DONE, timeout=timeout_ms)
+    """Wait until the page's stream ended with the run; returns the page's snapshot.
+    Fails at once when the run could not be created (the page shows the server's error)."""
+    page.wait_for_function(f"() => ({DONE})() || "
+                           "document.querySelector('#program-error').textContent !== ''",
+                           timeout=timeout_ms)
+    error = page.text_content("#program-error")
+    assert not error, f"the page could not start the run: {error}"
     # the final detail (timeline, statuses) is fetched right after run_finished
     page.wait_for_function("() => document.querySelectorAll('#timeline .tl-row').length > 0")
     return page.evaluate("() => parrotUI.snapshot()")

@@ -55,6 +55,8 @@ async def run_events(
     `variable_ready`, `call_finished`, `run_finished`, ...) as SSE. Reconnect with
     `Last-Event-ID` to get exactly the events missed."""
     await owned(rt, tenant, run_id)
-    start = after if after is not None else parse_last_id(last_event_id)
+    # a browser's own reconnect resends the URL's `after` with a newer Last-Event-ID: the
+    # larger one is where the client is
+    start = max(after or 0, parse_last_id(last_event_id))
     tenant_id = await rt.tenant_id(tenant)
     return event_response(rt, state, tenant_id, run_id, start)

@@ -82,6 +82,11 @@ async def test_events_carry_tokens_and_resume_after_last_event_id(tmp_path) -> N
             tail = sse_events((await c.get(f"/v1/runs/{rid}/events",
                                            headers={"Last-Event-ID": str(cut)})).text)
             assert tail == events[cut:]
+        # a browser reconnecting resends the URL's `after` and a newer Last-Event-ID: the
+        # larger one wins (no duplicates)
+        later = sse_events((await c.get(f"/v1/runs/{rid}/events", params={"after": 1},
+                                        headers={"Last-Event-ID": "3"})).text)
+        assert [e["id"] for e in later] == [e["id"] for e in events if int(e["id"]) > 3]
         same = sse_events((await c.get(f"/v1/runs/{rid}/events", params={"after": 3})).text)
         assert same == events[3:]
         bad = await c.get(f"/v1/runs/{rid}/events", headers={"Last-Event-ID": "x:1"})

@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve generate test lint
+.PHONY: setup serve generate test lint llama-server
 
 setup: $(STAMP)
 
@@ -27,3 +27,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check parrot_backend tests benchmarks
+
+# llama.cpp's llama-server (CPU build from the llama-cpp-python sdist) for the upstream-engine
+# tests, built once into ~/.cache/parrot-backend/llama.cpp (or $PARROT_CACHE_DIR); later runs
+# find it in seconds. tests/upstream builds it on demand too; this target prebuilds it.
+llama-server: $(STAMP)
+	$(PY) -m parrot_backend.testing.llama_server

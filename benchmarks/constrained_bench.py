@@ -17,8 +17,8 @@ import json
 import statistics
 import time
 
+from parrot_backend.contract.sampling import Constraint, SamplingParams
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.sampling import Constraint, SamplingParams
 
 
 async def _round(engine: Engine, batch: int, sampling: SamplingParams, tag: str) -> float:

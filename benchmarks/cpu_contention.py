@@ -36,7 +36,7 @@ WORKER = r"""
 import asyncio, json, os, sys, time
 threads = os.environ["BENCH_THREADS"]
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.sampling import SamplingParams
 kw = {} if threads == "auto" else {"threads": int(threads)}
 engine = Engine.from_pretrained(progress=False, **kw)
 prompt = engine.tokenize("Parrots are intelligent birds found in tropical regions. " * 4)

@@ -22,9 +22,9 @@ import time
 
 import torch
 
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine, compute_executor
 from parrot_backend.engine.model_files import resolve_model
-from parrot_backend.engine.sampling import SamplingParams
 
 TEXT = (
     "Parrots are intelligent birds found in tropical regions. They live in flocks, eat seeds "

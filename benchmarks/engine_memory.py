@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import resource
 
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine
 from parrot_backend.engine.runner import ModelRunner
-from parrot_backend.engine.sampling import SamplingParams
 
 
 async def serve_once(engine: Engine) -> None:

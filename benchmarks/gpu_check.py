@@ -1323,7 +1323,7 @@ async def _forked_tokens(engine, prefix: list[int], suffixes: list[list[int]], n
                          fork: bool) -> list[list[int]]:
     """Children of one filled parent (fork) or whole prompts (unshared) generate greedily
     together; returns each one's tokens. Frees everything it made."""
-    from parrot_backend.engine.sampling import SamplingParams
+    from parrot_backend.contract.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=n_new, ignore_eos=True)
     async with engine:
@@ -1624,7 +1624,7 @@ def sec_bench_attention(ctx: Ctx) -> None:
 # =============================================================== engine_throughput
 async def _decode_rate(engine, prompts: list[list[int]], n_new: int) -> dict[str, float]:
     """Fill every prompt, then time their greedy generations running together."""
-    from parrot_backend.engine.sampling import SamplingParams
+    from parrot_backend.contract.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=n_new, ignore_eos=True)
     async with engine:
@@ -1647,7 +1647,7 @@ async def _decode_rate(engine, prompts: list[list[int]], n_new: int) -> dict[str
 async def _fork_rate(engine, prefix: list[int], suffixes: list[list[int]],
                      n_new: int) -> dict[str, float]:
     """Children of one filled parent decode together (timed after all fills)."""
-    from parrot_backend.engine.sampling import SamplingParams
+    from parrot_backend.contract.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=n_new, ignore_eos=True)
     async with engine:

@@ -7,8 +7,8 @@ scheduling-decision latency with many concurrent open runs.
 1. Throughput: create runs of a small map-reduce program (4 maps sharing a system prompt,
    1 reduce) and wait for all to finish. Every call is parsed, validated, deduced,
    rendered (segment-wise tokens, prefix keys), scheduled, dispatched and "generated" (the
-   engine, `scripted.NoopEngine`, does no work: it answers EOS at once and keeps only the
-   set of live contexts, which must be empty at the end). Reported: calls per second, on
+   engine, `testing.fake_engine.NoopEngine`, does no work: it answers EOS at once and keeps
+   only the set of live contexts, which must be empty at the end). Reported: calls per second, on
    one core (one event loop), for each of `--repeat` passes (a fresh manager each) and
    their median: one pass takes about half a second, so a shared machine's hiccups
    show in single passes.
@@ -44,8 +44,8 @@ import sys
 import time
 
 from parrot_backend.manager.executor import Manager
-from parrot_backend.manager.scripted import NoopEngine
 from parrot_backend.program import CallSpec, RunSpec
+from parrot_backend.testing.fake_engine import NoopEngine
 
 SYSTEM = "You are a careful analyst. Summarize the text you are given in one sentence. "
 

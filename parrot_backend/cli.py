@@ -28,9 +28,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from parrot_backend.contract.errors import EngineError
+    from parrot_backend.contract.sampling import SamplingParams
     from parrot_backend.engine.engine import Engine
-    from parrot_backend.engine.errors import EngineError
-    from parrot_backend.engine.sampling import SamplingParams
 
     async def run() -> None:
         engine = Engine.from_pretrained(

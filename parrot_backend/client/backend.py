@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 from parrot_backend.program import CallSpec, Criterion, RunSpec
 
 if TYPE_CHECKING:  # the SDK must import without torch (an HTTP client needs no engine)
-    from parrot_backend.engine.interface import EngineClient
+    from parrot_backend.contract.engine import EngineClient
 
 T = TypeVar("T")
 

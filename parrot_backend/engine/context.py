@@ -8,11 +8,12 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from parrot_backend.contract.sampling import SamplingParams
+
 from .block_pool import chain_hash, root_hash
 from .detokenizer import Detokenizer
 from .grammar import GrammarState
 from .sampler import Sampler
-from .sampling import SamplingParams
 
 
 class Context:

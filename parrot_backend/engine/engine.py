@@ -13,11 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .attention import make_backend
-from .block_pool import BlockPool
-from .context import Context, Request
-from .detokenizer import Detokenizer
-from .errors import (
+from parrot_backend.contract.engine import EngineStats, TokenDelta
+from parrot_backend.contract.errors import (
     ContextBusy,
     ContextNotFound,
     EngineDead,
@@ -26,13 +23,17 @@ from .errors import (
     RequestCancelled,
     StepFailed,
 )
+from parrot_backend.contract.sampling import Constraint, SamplingParams
+
+from .attention import make_backend
+from .block_pool import BlockPool
+from .context import Context, Request
+from .detokenizer import Detokenizer
 from .grammar import GrammarCompiler, GrammarError
-from .interface import EngineStats, TokenDelta
 from .model_files import DEFAULT_MODEL, resolve_model
 from .models.loader import load_config, load_model
 from .runner import Batch, ModelRunner, StepResult
 from .sampler import Sampler, grammar_masks
-from .sampling import Constraint, SamplingParams
 from .scheduler import Scheduler, Work
 from .threads import ThreadTuner, available_cores
 from .tokens import decode_tokens, encode_segment, special_token_ids

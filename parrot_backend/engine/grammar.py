@@ -29,8 +29,8 @@ from typing import Any
 
 import llguidance
 
-from .errors import InvalidRequest
-from .sampling import Constraint
+from parrot_backend.contract.errors import InvalidRequest
+from parrot_backend.contract.sampling import Constraint
 
 # Generated JSON is spelled the way `json.dumps` (and most training data) spells it, with
 # no other whitespace: a grammar with free whitespace lets a weak model pad forever.

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
+from parrot_backend.contract.sampling import SamplingParams
+
 from .grammar import GrammarError, GrammarState
-from .sampling import SamplingParams
 
 MAX_TEMPERATURE = 1e4
 _SHIFTS = torch.arange(32, dtype=torch.int32)

@@ -14,9 +14,10 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from parrot_backend.contract.errors import OutOfMemory
+
 from .block_pool import BlockPool
 from .context import Context, Request
-from .errors import OutOfMemory
 
 
 @dataclass(slots=True)

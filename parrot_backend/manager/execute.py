@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
 
-from parrot_backend.engine.errors import ContextNotFound
-from parrot_backend.engine.interface import EngineClient, TokenDelta
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.engine import EngineClient, TokenDelta
+from parrot_backend.contract.errors import ContextNotFound
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.program import GenerationConfig
 
 from .render import CallPlan, Step
@@ -87,12 +86,12 @@ class CallRunner:
         self,
         engine: EngineClient,
         salt: str | None,
-        engine_kwargs: Mapping[str, Any],
+        priority: int,
         tokenize: Callable[[str], list[int]],
     ) -> None:
         self.engine = engine
         self.salt = salt
-        self.kwargs = engine_kwargs
+        self.priority = priority
         self.tokenize = tokenize
         self.owned: list[_Ctx] = []
         self.tokens = 0  # tokens generated (every delta carrying a token id)
@@ -132,7 +131,7 @@ class CallRunner:
         target = cur.child() if fork else cur
         parent, salt = self._request(target)
         stream = self.engine.generate(
-            target.id, parent, sampling_of(step.config), salt=salt, **self.kwargs
+            target.id, parent, sampling_of(step.config), salt=salt, priority=self.priority
         )
         target.created = True
         parts: list[str] = []
@@ -163,7 +162,7 @@ class CallRunner:
             return  # an uncreated context stays lazy: the next request forks it
         parent, salt = self._request(ctx)
         await self.engine.fill(
-            ctx.id, parent, list(tokens) if copy else tokens, salt=salt, **self.kwargs
+            ctx.id, parent, list(tokens) if copy else tokens, salt=salt, priority=self.priority
         )
         ctx.created = True
 

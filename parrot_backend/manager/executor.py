@@ -45,18 +45,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
-from parrot_backend.engine.errors import EngineUnavailable
-from parrot_backend.engine.interface import EngineClient, EngineStats, TokenDelta
+from parrot_backend.contract.engine import EngineClient, EngineStats, TokenDelta
+from parrot_backend.contract.errors import EngineUnavailable
 from parrot_backend.program import (
     Call,
     CallSpec,
@@ -90,8 +88,6 @@ from .sharing import Attached, SharedPrefixes, shareable
 log = logging.getLogger(__name__)
 
 PRIORITY = {"latency": 0, "throughput": 1}  # engine priority: lower runs first
-_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
-_PRIORITY_KWARGS: dict[int, Mapping[str, Any]] = {}
 
 
 @dataclass(slots=True, frozen=True)
@@ -165,12 +161,11 @@ class Manager:
         self.runs: dict[str, Run] = {}
         self.builder = CallBuilder()
         self.tokens = PromptTokenizer.for_engine(next(iter(self.engines.values())))
-        self.sharing = SharedPrefixes(self.engines, clock, self._engine_kwargs)
+        self.sharing = SharedPrefixes(self.engines, clock)
         self.dispatch_delays: deque[float] = deque(maxlen=self.config.delay_samples)
         self.round_durations: deque[float] = deque(maxlen=self.config.delay_samples)
         self.calls_dispatched = 0
         self.tokens_generated = 0  # by calls of this manager (metrics)
-        self._priority_kw = {eid: _takes_priority(e) for eid, e in self.engines.items()}
         self._capacity: dict[str, int] = {}
         self._load = {eid: _Load() for eid in self.engines}
         self._pending: dict[str, _Ready] = {}  # by call id, in enqueue order
@@ -250,7 +245,6 @@ class Manager:
             raise ValueError(f"engine {engine_id!r} is already in service")
         self.engines[engine_id] = engine
         self._load[engine_id] = _Load()
-        self._priority_kw[engine_id] = _takes_priority(engine)
         self._limits = _model_limits(self.engines.values())
         self._wake.set()
 
@@ -814,12 +808,7 @@ class Manager:
     ) -> None:
         run, name = r.run, r.name
         priority = PRIORITY[objective]
-        runner = CallRunner(
-            self.engines[engine_id],
-            run.salt,
-            self._engine_kwargs(engine_id, priority),
-            self.tokens.value,
-        )
+        runner = CallRunner(self.engines[engine_id], run.salt, priority, self.tokens.value)
         keys: list[str] = []
         error: str | None = None
         try:
@@ -995,15 +984,6 @@ class Manager:
         if problems:
             raise ProgramError("; ".join(problems[:5]), problems)
 
-    def _engine_kwargs(self, engine_id: str, priority: int) -> Mapping[str, Any]:
-        # read-only and shared: one per priority, not one dict per call
-        if not self._priority_kw[engine_id]:
-            return _NO_KWARGS
-        kw = _PRIORITY_KWARGS.get(priority)
-        if kw is None:
-            kw = _PRIORITY_KWARGS[priority] = MappingProxyType({"priority": priority})
-        return kw
-
     def _run(self, run_id: str) -> Run:
         try:
             return self.runs[run_id]
@@ -1024,10 +1004,3 @@ def _model_limits(engines: Iterable[EngineClient]) -> tuple[int | None, int | No
     vocab = [v for e in engines if isinstance(v := getattr(e, "vocab_size", None), int)]
     context = [n for e in engines if isinstance(n := getattr(e, "max_model_len", None), int)]
     return (min(vocab) if vocab else None, min(context) if context else None)
-
-
-def _takes_priority(engine: EngineClient) -> bool:
-    """Whether the engine's fill/generate accept `priority=` (the in-process engine does;
-    the EngineClient protocol does not require it)."""
-    params = inspect.signature(engine.fill).parameters
-    return "priority" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -22,10 +22,9 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from parrot_backend.engine.errors import ContextNotFound, EngineError
-from parrot_backend.engine.interface import EngineClient
+from parrot_backend.contract.engine import EngineClient
+from parrot_backend.contract.errors import ContextNotFound, EngineError
 
 from .prefix import Prefix, PrefixEntry, PrefixTable
 
@@ -77,12 +76,10 @@ class SharedPrefixes:
         self,
         engines: Mapping[str, EngineClient],
         clock: Callable[[], float],
-        engine_kwargs: Callable[[str, int], Mapping[str, Any]],
     ) -> None:
         self.table = PrefixTable()
         self.engines = engines
         self.clock = clock
-        self.engine_kwargs = engine_kwargs  # (engine id, priority) -> extra kwargs
         self.fills: Counter[str] = Counter()  # engine id -> prefix contexts filled
         self.forks: Counter[str] = Counter()  # engine id -> calls forked from a prefix
         self._ready: dict[str, asyncio.Future[None]] = {}  # key -> its fill finished
@@ -174,7 +171,7 @@ class SharedPrefixes:
                 above.context_id,
                 list(prompt[above.n_tokens : prefix.n_tokens]),
                 salt=salt,
-                **self.engine_kwargs(engine_id, priority),
+                priority=priority,
             )
         except BaseException as exc:
             self._broken.add(prefix.key)

@@ -1,4 +1,8 @@
-"""Per-output generation settings: the JSON form of the engine's SamplingParams.
+"""Per-output generation settings: a program's JSON form of the contract's `SamplingParams`.
+
+A `GenerationConfig` takes its defaults from `SamplingParams` and converts to one
+(`to_sampling`); it adds what a program needs on top: strict JSON validation, the limits a
+model imposes, and types.
 
 An output may be **typed**: `json_schema`, `regex` or `choice` constrains its generation
 (the engine masks every token that would leave the grammar), so its value always matches;
@@ -10,13 +14,14 @@ the matched string or the chosen string as it was generated.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-if TYPE_CHECKING:
-    from parrot_backend.engine.sampling import Constraint, SamplingParams
+from parrot_backend.contract.errors import InvalidRequest
+from parrot_backend.contract.sampling import Constraint, SamplingParams
 
+_PLAIN = SamplingParams()  # the engine's defaults are the program's defaults
 NonEmpty = Annotated[str, Field(min_length=1)]
 ValueType = Literal["text", "json_schema", "regex", "choice"]
 _TYPED = ("json_schema", "regex", "choice")
@@ -31,11 +36,11 @@ class GenerationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int = Field(_PLAIN.max_tokens, ge=1)
+    temperature: float = Field(_PLAIN.temperature, ge=0.0)
+    top_p: float = Field(_PLAIN.top_p, gt=0.0, le=1.0)
+    top_k: int = Field(_PLAIN.top_k, ge=0, description="0 disables top-k")
+    seed: int | None = Field(_PLAIN.seed, ge=0, lt=2**63)
     stop: list[NonEmpty] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     json_schema: dict[str, Any] | None = Field(
@@ -57,7 +62,7 @@ class GenerationConfig(BaseModel):
                              f"where the value ends")
         constraint = self.constraint()
         if constraint is not None:
-            from parrot_backend.engine.errors import InvalidRequest
+            # the grammar library (llguidance, no torch) is loaded only for typed outputs
             from parrot_backend.engine.grammar import check
 
             try:
@@ -87,8 +92,6 @@ class GenerationConfig(BaseModel):
     def constraint(self) -> Constraint | None:
         """The engine constraint of a typed output (None for text). A typed value must be
         complete: the engine fails the generation instead of ending it at max_tokens."""
-        from parrot_backend.engine.sampling import Constraint
-
         if self.json_schema is not None:
             spec = json.dumps(self.json_schema, ensure_ascii=False)  # keeps the key order
             return Constraint("json_schema", spec, require_complete=True)
@@ -115,9 +118,6 @@ class GenerationConfig(BaseModel):
 
     def to_sampling(self) -> SamplingParams:
         """The engine's sampling parameters for this output."""
-        # imported here: the engine pulls in torch, and `program` must stay importable without it
-        from parrot_backend.engine.sampling import SamplingParams
-
         return SamplingParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,

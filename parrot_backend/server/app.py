@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI
 
-from ..engine.interface import EngineClient
+from ..contract.engine import EngineClient
 from . import openai_api, ops
 from .auth import OPEN_PATHS, Authenticator, AuthMiddleware
 from .errors import install_error_handlers
@@ -24,11 +23,6 @@ if TYPE_CHECKING:
     from .runtime import NativeRuntime
 
 log = logging.getLogger(__name__)
-
-
-async def _maybe_await(value: object) -> None:
-    if inspect.isawaitable(value):
-        await value
 
 
 def create_app(
@@ -58,22 +52,22 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.manage_engine:
-            await _maybe_await(engine.start())
+            await engine.start()
         try:
             if native is not None:
                 await native.start()
             if registry is not None:
-                await _maybe_await(registry.start())
+                await registry.start()
             try:
                 yield
             finally:
                 if registry is not None:
-                    await _maybe_await(registry.stop())
+                    await registry.stop()
                 if native is not None:
                     await native.stop()
         finally:
             if settings.manage_engine:
-                await _maybe_await(engine.stop())
+                await engine.stop()
 
     app = FastAPI(
         title="parrot-backend",

@@ -1,28 +1,15 @@
 """The engine process's HTTP API: `fill`, `generate`, `free`, `stats` for a remote manager.
 
 `create_engine_app(engine, api_key=...)` serves one in-process `Engine` (anything with its
-attributes) to `parrot_backend.engine.remote.RemoteEngine`. Every route except `/healthz`
+attributes) to `parrot_backend.engines.remote.RemoteEngine`. Every route except `/healthz`
 needs `Authorization: Bearer <api_key>`, the docs and the OpenAPI schema included: this
 API runs arbitrary prompts and frees anyone's contexts, so it is never open (vLLM's API key
 left most of its routes open). There is no way to turn the key off.
 
-Wire format
-- Context ids are JSON integers or strings, kept as such (`1` and `"1"` differ).
-- `sampling` mirrors `SamplingParams`; its `constraint` (constrained decoding) is
-  `{"kind", "spec", "require_complete"}`, `spec` a string (schema JSON, regex, Lark) or,
-  for `choice`, a list of strings. The engine compiles it; a refused one is a 400.
-- `POST /engine/generate` waits for the first token, so a bad request (unknown context,
-  bad sampling, busy parent, no room) is an HTTP status like the other routes; then it
-  streams **server-sent events**: one `data: {"token_id", "text", "finish_reason"}` frame
-  per `TokenDelta`, the last one with `finish_reason` set; a failure after that point is an
-  `event: error` frame with the error body below. Comment lines (`: ping`) keep idle
-  streams alive.
-- Errors: `{"error": {"type": <engine error class>, "message": ...}}` with
-  400 InvalidRequest (also malformed bodies), 404 ContextNotFound, 409 ContextBusy,
-  507 OutOfMemory, 503 RequestCancelled / EngineError (the engine is stopped or dead),
-  401 for a missing or wrong key.
-- A client that disconnects (closes the stream or abandons a fill) cancels the engine
-  request at its next step: the context keeps what was computed or generated so far.
+The wire format (request and response models, error mapping, server-sent-event framing)
+is `parrot_backend.contract.wire`, which the client side speaks too. A client that
+disconnects (closes the stream or abandons a fill) cancels the engine request at its next
+step: the context keeps what was computed or generated so far.
 """
 
 from __future__ import annotations
@@ -32,8 +19,6 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
-import inspect
-import json
 import logging
 import tempfile
 from collections.abc import AsyncIterator, Awaitable
@@ -43,144 +28,38 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..engine.errors import (
-    HTTP_STATUS,
-    ContextBusy,
-    ContextNotFound,
-    EngineError,
+from ..contract.engine import EngineStats
+from ..contract.errors import ContextBusy, ContextNotFound, EngineError
+from ..contract.wire import (
+    HEALTH_PATH,
+    EngineInfo,
+    ErrorResponse,
+    FillRequest,
+    FillResponse,
+    FreeRequest,
+    GenerateRequest,
+    OkResponse,
+    ResetResponse,
+    TokenizerFiles,
+    delta_frame,
+    error_body,
+    error_frame,
+    error_payload,
 )
-from ..engine.interface import EngineStats
-from ..engine.sampling import CONSTRAINT_KINDS, Constraint, SamplingParams
 from .sse import ClosingEventSourceResponse
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-HEALTH_PATH = "/healthz"  # the only route that answers without a key (for supervisors)
 PING_S = 15.0
 SEND_TIMEOUT_S = 60.0  # a manager that stops reading its stream is dropped after this
 
-STATUS = HTTP_STATUS  # status per engine error class; the class name travels as `type`
-
-ContextId = StrictInt | StrictStr  # strict: "1" must not silently become 1 (or True 1)
-
-
-# ---------------------------------------------------------------- request/response models
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a typo in a field name is an error
-
-
-class FillRequest(_Body):
-    context_id: ContextId
-    parent_id: ContextId | None = None
-    token_ids: list[StrictInt] = Field(min_length=0)
-    salt: str | None = None
-    priority: int = 0
-
-
-class FillResponse(BaseModel):
-    length: int = Field(description="the context's length in tokens after the fill")
-
-
-class ConstraintBody(_Body):
-    """Mirrors `Constraint`: `spec` is the schema's JSON text, the regex, the Lark grammar,
-    or the list of choices."""
-
-    kind: str = Field(description=f"one of {', '.join(CONSTRAINT_KINDS)}")
-    spec: StrictStr | list[StrictStr]
-    require_complete: bool = False
-
-    def constraint(self) -> Constraint:
-        spec = tuple(self.spec) if isinstance(self.spec, list) else self.spec
-        return Constraint(self.kind, spec, self.require_complete)
-
-
-class SamplingBody(_Body):
-    """Mirrors `SamplingParams`; the engine validates the values (400 naming the field)."""
-
-    max_tokens: StrictInt = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: StrictInt = 0
-    seed: StrictInt | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[StrictInt] = Field(default_factory=list)
-    ignore_eos: bool = False
-    constraint: ConstraintBody | None = None
-
-    def params(self) -> SamplingParams:
-        fields = self.model_dump(exclude={"constraint"})
-        constraint = self.constraint.constraint() if self.constraint is not None else None
-        return SamplingParams(**fields, constraint=constraint)
-
-
-class GenerateRequest(_Body):
-    context_id: ContextId
-    parent_id: ContextId | None = None
-    sampling: SamplingBody = Field(default_factory=SamplingBody)
-    salt: str | None = None
-    priority: int = 0
-
-
-class FreeRequest(_Body):
-    context_id: ContextId
-
-
-class OkResponse(BaseModel):
-    ok: bool = True
-
-
-class ResetResponse(BaseModel):
-    freed: int = Field(description="contexts released")
-    left: int = Field(description="contexts still busy (a request in flight), kept")
-
-
-class EngineInfo(BaseModel):
-    """What a client needs to know about the engine before it sends anything."""
-
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    chat_template: str | None = None
-    special_tokens: dict[str, str] = Field(default_factory=dict)
-    eos_token_ids: list[int] = Field(default_factory=list)
-    tokenizer_fingerprint: str = Field(description="sha256 of the files /engine/tokenizer serves")
-
-
-class TokenizerFiles(BaseModel):
-    """The engine's tokenizer as saved by transformers (`save_pretrained`): loading these
-    files with `AutoTokenizer` gives the engine's exact tokenization."""
-
-    fingerprint: str
-    files: dict[str, str]
-
-
-class ErrorDetail(BaseModel):
-    type: str
-    message: str
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
 
 def error_response(status: int, type_: str, message: str) -> JSONResponse:
-    body = ErrorResponse(error=ErrorDetail(type=type_, message=message))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def engine_error_payload(exc: EngineError) -> tuple[int, str]:
-    """(HTTP status, type name) for an engine error; unknown subclasses count as the
-    engine being unavailable (it is stopped or its loop died)."""
-    for cls, status in STATUS.items():
-        if isinstance(exc, cls):
-            return status, cls.__name__
-    return 503, "EngineError"
+    return JSONResponse(error_body(type_, message), status_code=status)
 
 
 # ---------------------------------------------------------------- auth
@@ -233,13 +112,6 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, 
     return False, task.result()
 
 
-def _frame(payload: dict[str, Any], event: str | None = None) -> bytes:
-    # ASCII-only JSON: no raw U+2028, U+0085... that line splitters treat as line ends
-    text = json.dumps(payload, ensure_ascii=True, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return (head + "data: " + text + "\n\n").encode("utf-8")
-
-
 def _tokenizer_files(tokenizer) -> TokenizerFiles:
     with tempfile.TemporaryDirectory(prefix="parrot-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
@@ -249,11 +121,6 @@ def _tokenizer_files(tokenizer) -> TokenizerFiles:
     for name, text in files.items():
         digest.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
     return TokenizerFiles(fingerprint=digest.hexdigest(), files=files)
-
-
-async def _maybe_await(value: object) -> None:
-    if inspect.isawaitable(value):
-        await value
 
 
 # ---------------------------------------------------------------- the app
@@ -269,12 +136,12 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
-            await _maybe_await(engine.start())
+            await engine.start()
         try:
             yield
         finally:
             if manage_engine:
-                await _maybe_await(engine.stop())
+                await engine.stop()
 
     app = FastAPI(title="parrot-backend engine", version="0.1.0", lifespan=lifespan,
                   summary="fill / generate / free / stats on one engine (for a manager)")
@@ -282,7 +149,7 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        status, name = engine_error_payload(exc)
+        status, name = error_payload(exc)
         if status == 503:
             log.warning("engine request failed: %r", exc)
         return error_response(status, name, str(exc))
@@ -345,7 +212,7 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
                          400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                          409: {"model": ErrorResponse}, 507: {"model": ErrorResponse}})
     async def generate(body: GenerateRequest, request: Request):
-        deltas = engine.generate(body.context_id, body.parent_id, body.sampling.params(),
+        deltas = engine.generate(body.context_id, body.parent_id, body.sampling,
                                  salt=body.salt, priority=body.priority)
         # Wait for the first delta before answering, so request errors get a status code.
         try:
@@ -359,14 +226,12 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
             delta = first
             try:
                 while True:
-                    yield _frame({"token_id": delta.token_id, "text": delta.text,
-                                  "finish_reason": delta.finish_reason})
+                    yield delta_frame(delta)
                     if delta.finish_reason is not None:
                         return
                     delta = await anext(deltas)
             except EngineError as exc:
-                _, name = engine_error_payload(exc)
-                yield _frame({"error": {"type": name, "message": str(exc)}}, "error")
+                yield error_frame(exc)
 
         # on_close runs even when the client left before the first frame was sent: closing
         # the engine's iterator is what cancels the generation.

@@ -37,8 +37,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..engine.errors import EngineError
-from ..engine.remote import RemoteEngine
+from ..contract.errors import EngineError
+from ..engines.remote import RemoteEngine
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.errors import (
+from ..contract.errors import (
     ContextBusy,
     ContextNotFound,
     EngineError,

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from ..engine.errors import ContextNotFound
-from ..engine.interface import EngineClient, TokenDelta
-from ..engine.sampling import SamplingParams
+from ..contract.engine import EngineClient, TokenDelta
+from ..contract.errors import ContextNotFound
+from ..contract.sampling import SamplingParams
 from .limits import Slot
 from .metrics import ServerMetrics
 

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..engine.interface import EngineClient, EngineStats
+from ..contract.engine import EngineClient, EngineStats
 
 log = logging.getLogger(__name__)
 

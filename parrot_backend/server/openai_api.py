@@ -12,7 +12,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..engine.sampling import SamplingParams
+from ..contract.sampling import SamplingParams
 from .errors import APIError
 from .generation import RequestRun
 from .openai_prep import (

@@ -13,10 +13,10 @@ from typing import Any
 
 import anyio
 
-from ..engine.errors import InvalidRequest
+from ..contract.errors import InvalidRequest
+from ..contract.sampling import Constraint, SamplingParams
 from ..engine.grammar import check
 from ..engine.grammar_tools import CLOSE, OPEN, Function, tool_call_grammar
-from ..engine.sampling import Constraint, SamplingParams
 from .chat_template import ChatTemplateError, render_chat, takes_tools
 from .errors import APIError
 from .openai_schemas import (

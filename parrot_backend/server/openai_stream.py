@@ -6,7 +6,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 
-from ..engine.errors import EngineError
+from ..contract.errors import EngineError
 from ..engine.grammar_tools import Event, ToolCallParser, parse_tool_calls
 from .errors import APIError, from_engine_error
 from .generation import RequestRun

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from parrot_backend.engine.interface import EngineClient
+from parrot_backend.contract.engine import EngineClient
 from parrot_backend.manager.executor import Manager, ManagerConfig
 from parrot_backend.program import ProgramError, ProgramSpec, RunSpec
 from parrot_backend.store import NotFoundError, RunRecord, Store

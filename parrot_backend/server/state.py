@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..engine.interface import EngineClient
+from ..contract.engine import EngineClient
 from .auth import Authenticator, tenant_salt
 from .limits import InflightLimiter
 from .metrics import ServerMetrics

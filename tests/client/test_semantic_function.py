@@ -9,8 +9,8 @@ import pytest
 
 from parrot_backend.client import InProcessBackend, Session, semantic_function, set_backend
 from parrot_backend.manager.executor import Manager
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import ProgramError
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 
 def tail(prompt: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.sampling import SamplingParams
 
 
 async def collect(engine, cid, parent, sampling: SamplingParams, **kw):

@@ -15,11 +15,11 @@ import jsonschema_rs
 import pytest
 import torch
 
+from parrot_backend.contract.errors import InvalidRequest
+from parrot_backend.contract.sampling import Constraint, SamplingParams
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.errors import InvalidRequest
 from parrot_backend.engine.grammar import GrammarCompiler, GrammarError, check, closed
 from parrot_backend.engine.sampler import Sampler, grammar_masks
-from parrot_backend.engine.sampling import Constraint, SamplingParams
 
 from .helpers import collect
 

@@ -9,10 +9,10 @@ import json
 import httpx
 import pytest
 
+from parrot_backend.contract.errors import InvalidRequest
+from parrot_backend.contract.sampling import Constraint, SamplingParams
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.errors import InvalidRequest
-from parrot_backend.engine.remote import RemoteEngine
-from parrot_backend.engine.sampling import Constraint, SamplingParams
+from parrot_backend.engines.remote import RemoteEngine
 from parrot_backend.server.engine_api import create_engine_app
 
 from .helpers import collect

@@ -14,14 +14,14 @@ import threading
 import pytest
 import torch
 
-from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.errors import (
+from parrot_backend.contract.errors import (
     EngineDead,
     EngineError,
     RequestCancelled,
     StepFailed,
 )
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.engine.engine import Engine
 
 from .helpers import collect
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.sampling import SamplingParams
 
 from .helpers import complete
 

@@ -72,7 +72,7 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
 def test_unsupported_architecture_is_refused(tmp_path):
     import json
 
-    from parrot_backend.engine.errors import UnsupportedModel
+    from parrot_backend.contract.errors import UnsupportedModel
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel.*not supported"):

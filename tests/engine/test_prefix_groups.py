@@ -6,9 +6,9 @@ import asyncio
 
 import torch
 
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.attention import TorchAttention
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.sampling import SamplingParams
 
 from .helpers import complete
 

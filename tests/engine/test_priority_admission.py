@@ -8,8 +8,8 @@ import asyncio
 
 import torch
 
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.sampling import SamplingParams
 
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, ignore_eos=True)

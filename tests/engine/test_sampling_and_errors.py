@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from parrot_backend.engine.detokenizer import Detokenizer
-from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.errors import (
+from parrot_backend.contract.errors import (
     ContextBusy,
     ContextNotFound,
     InvalidRequest,
     OutOfMemory,
 )
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.engine.detokenizer import Detokenizer
+from parrot_backend.engine.engine import Engine
 
 from .helpers import collect, complete
 
@@ -249,7 +249,7 @@ def test_engine_contract_and_manager_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import parrot_backend.engine.interface, parrot_backend.manager.executor;"
+    code = ("import sys; import parrot_backend.contract.engine, parrot_backend.manager.executor;"
             " assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine
 from parrot_backend.engine.sampler import Sampler
-from parrot_backend.engine.sampling import SamplingParams
 
 from .helpers import collect
 

@@ -11,8 +11,8 @@ from parrot_backend.manager.events import EventLog
 from parrot_backend.manager.executor import Manager, ManagerConfig, _Ready
 from parrot_backend.manager.policy import PolicyConfig
 from parrot_backend.manager.runs import Run
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import Program, RunSpec
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 
 def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:

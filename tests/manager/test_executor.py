@@ -11,8 +11,8 @@ from parrot_backend.manager.executor import Manager
 from parrot_backend.manager.prefix import Prefix
 from parrot_backend.manager.render import PromptTokenizer, plan_call
 from parrot_backend.manager.runs import RunCancelled, RunClosedError, RunNotFound, VariableFailed
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import Call, CallSpec, RunSpec
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 
 def spec(*calls: dict, inputs: dict | None = None, outputs: dict | None = None, **kw) -> RunSpec:
@@ -428,7 +428,7 @@ async def test_make_room_asks_the_engine_only_when_a_prefix_could_be_evicted() -
             return await super().stats()
 
     engine = Counting(capacity_tokens=16 * 4)
-    sharing = SharedPrefixes({"e0": engine}, lambda: 0.0, lambda e, p: {})
+    sharing = SharedPrefixes({"e0": engine}, lambda: 0.0)
     await sharing.make_room("e0", 1000)  # nothing filled: nothing to evict, no question
     attached = await sharing.attach("e0", [Prefix("k", 1, 3)], engine.tokenize("abc"), "t:", 1)
     await sharing.make_room("e0", 1000)  # the only prefix is in use: still nothing

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from parrot_backend.engine.errors import EngineUnavailable
+from parrot_backend.contract.errors import EngineUnavailable
 from parrot_backend.manager.executor import Manager
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import RunSpec
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 
 @dataclass

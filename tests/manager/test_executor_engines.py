@@ -8,8 +8,8 @@ import pytest
 
 from parrot_backend.manager.executor import Manager
 from parrot_backend.manager.runs import RunCancelled
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.program import RunSpec
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 
 def one_call(template: str, **inputs: str) -> RunSpec:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from parrot_backend.engine.errors import ContextNotFound
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.errors import ContextNotFound
+from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.manager.executor import Manager
-from parrot_backend.manager.scripted import NoopEngine
 from parrot_backend.program import RunSpec
+from parrot_backend.testing.fake_engine import NoopEngine
 
 SYSTEM = "You are a careful analyst. Summarize the text you are given. "
 
@@ -61,7 +61,7 @@ async def test_manager_on_the_noop_engine_frees_everything() -> None:
 async def test_engine_load_returns_to_zero_after_cancels_and_ends() -> None:
     import asyncio
 
-    from parrot_backend.manager.scripted import ScriptedEngine
+    from parrot_backend.testing.fake_engine import ScriptedEngine
 
     gate = asyncio.Event()
     engine = ScriptedEngine(reply=lambda p: "ab", gate=gate)
@@ -89,7 +89,7 @@ async def test_engine_load_returns_to_zero_after_cancels_and_ends() -> None:
 async def test_a_call_that_cannot_be_rendered_fails_and_the_rest_go_on() -> None:
     """Calls are rendered when the dispatcher first offers them: a render error (here a
     tokenizer giving an id out of range) fails that call and what depends on it."""
-    from parrot_backend.manager.scripted import ScriptedEngine
+    from parrot_backend.testing.fake_engine import ScriptedEngine
 
     class BadTokens(ScriptedEngine):
         def tokenize(self, text: str, *, data: bool = False) -> list[int]:

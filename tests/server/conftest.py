@@ -16,8 +16,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from parrot_backend.server import ServerSettings, create_app
-
-from .fake_engine import FakeEngine
+from parrot_backend.testing.fake_engine import FakeEngine
 
 PG_ENV = "PARROT_TEST_DATABASE_URL"
 API_KEY = "sk-test-alice"

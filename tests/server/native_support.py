@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.runtime import NativeRuntime
 from parrot_backend.store import Store
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 ALICE = {"Authorization": "Bearer sk-alice"}

@@ -8,9 +8,9 @@ import pytest
 
 from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.auth import OPEN_PATHS
+from parrot_backend.testing.fake_engine import FakeEngine
 
 from .conftest import API_KEY
-from .fake_engine import FakeEngine
 
 
 def _concrete(path: str) -> str:

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from parrot_backend.server import ServerSettings, create_app
+from parrot_backend.testing.fake_engine import FakeEngine
 
 from .conftest import AUTH, KEYS
-from .fake_engine import FakeEngine
 
 C = "/v1/completions"
 CH = "/v1/chat/completions"

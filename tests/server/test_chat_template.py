@@ -7,9 +7,9 @@ import pytest
 
 from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.chat_template import ChatTemplateError, render_chat
+from parrot_backend.testing.fake_engine import FakeEngine
 
 from .conftest import AUTH
-from .fake_engine import FakeEngine
 
 MSGS = [{"role": "user", "content": "hi"}]
 

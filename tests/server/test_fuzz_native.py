@@ -28,10 +28,10 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from parrot_backend.manager.scripted import ScriptedEngine  # noqa: E402
 from parrot_backend.server import ServerSettings, create_app  # noqa: E402
 from parrot_backend.server.runtime import NativeRuntime  # noqa: E402
 from parrot_backend.store import Store  # noqa: E402
+from parrot_backend.testing.fake_engine import ScriptedEngine  # noqa: E402
 
 from .conftest import LiveServer  # noqa: E402
 from .native_support import ALICE, KEYS, echo, migrated_sqlite, run_body  # noqa: E402

@@ -11,9 +11,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
 from parrot_backend.server import ServerSettings, create_app  # noqa: E402
+from parrot_backend.testing.fake_engine import FakeEngine  # noqa: E402
 
 from .conftest import AUTH, KEYS  # noqa: E402
-from .fake_engine import FakeEngine  # noqa: E402
 
 ENGINE = FakeEngine(reply="fuzz")
 APP = create_app(ENGINE, settings=ServerSettings(api_keys=dict(KEYS), max_n=4))

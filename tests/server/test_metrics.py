@@ -6,9 +6,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from parrot_backend.server import ServerSettings, create_app
+from parrot_backend.testing.fake_engine import FakeEngine
 
 from .conftest import AUTH
-from .fake_engine import FakeEngine
 
 
 def _samples(text: str) -> dict:

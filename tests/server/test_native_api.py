@@ -6,10 +6,10 @@ import asyncio
 
 import httpx
 
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.runtime import NativeRuntime
 from parrot_backend.store import Store
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 from .conftest import LiveServer, wait_until
 from .native_support import ALICE, KEYS, echo, native_app, run_body, sse_events

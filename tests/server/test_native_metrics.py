@@ -35,8 +35,8 @@ async def test_new_work_gets_429_while_the_backlog_is_full(tmp_path):
 
     from parrot_backend.manager.executor import ManagerConfig
     from parrot_backend.manager.policy import PolicyConfig
-    from parrot_backend.manager.scripted import ScriptedEngine
     from parrot_backend.server import ServerSettings
+    from parrot_backend.testing.fake_engine import ScriptedEngine
 
     from .native_support import KEYS, echo
 

@@ -19,8 +19,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.store import upgrade
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 from .native_support import native_app, run_body, sse_events
 

@@ -228,7 +228,7 @@ async def test_prefix_salt_is_per_tenant_and_not_client_chosen(client, engine):
 
 
 async def test_engine_error_mid_stream_becomes_error_payload(client, engine):
-    from parrot_backend.engine.errors import OutOfMemory
+    from parrot_backend.contract.errors import OutOfMemory
     engine.fail_after = 3
     engine.fail_with = OutOfMemory("pool exhausted")
     r = await client.post("/v1/completions", json={
@@ -320,7 +320,7 @@ async def test_many_streams_leave_no_tasks_or_contexts(client, engine, app):
 
 
 async def test_stopped_or_dead_engine_is_503_not_500(client, engine, app):
-    from parrot_backend.engine.errors import EngineError
+    from parrot_backend.contract.errors import EngineError
 
     async def dead_fill(*args, **kwargs):
         raise EngineError("engine not started: await engine.start() first")

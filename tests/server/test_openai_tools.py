@@ -19,9 +19,9 @@ from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.chat_template import render_chat
 from parrot_backend.server.openai_prep import chat_messages, tool_messages
 from parrot_backend.server.openai_schemas import ChatCompletionRequest
+from parrot_backend.testing.fake_engine import FakeEngine
 
 from .conftest import LiveServer
-from .fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -20,18 +20,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.errors import (
+from parrot_backend.contract.engine import EngineClient, EngineStats
+from parrot_backend.contract.errors import (
     ContextBusy,
     ContextNotFound,
     EngineError,
+    EngineUnavailable,
     InvalidRequest,
     OutOfMemory,
     RequestCancelled,
 )
-from parrot_backend.engine.interface import EngineClient, EngineStats
-from parrot_backend.engine.remote import EngineUnavailable, RemoteEngine, error_from_response
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.contract.wire import error_from_response
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engines.remote import RemoteEngine
 from parrot_backend.server.engine_api import create_engine_app
 from parrot_backend.server.engine_main import add_engine_parser
 from parrot_backend.server.engine_main import main as engine_main
@@ -413,8 +415,8 @@ async def test_engine_process_exits_nonzero_when_its_engine_dies(tiny_model_dir,
 
 
 async def test_sse_parser_splits_only_at_line_feeds():
-    from parrot_backend.engine.remote import _sse_events
-    from parrot_backend.server.engine_api import _frame
+    from parrot_backend.contract.wire import sse_events as _sse_events
+    from parrot_backend.contract.wire import sse_frame as _frame
 
     text = "a\u2028b\x85c\u2029d\r\ne"
     frames = [_frame({"token_id": 1, "text": text, "finish_reason": None}),

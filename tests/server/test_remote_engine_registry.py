@@ -14,8 +14,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from parrot_backend.engine.remote import EngineUnavailable, RemoteEngine
-from parrot_backend.engine.sampling import SamplingParams
+from parrot_backend.contract.errors import EngineUnavailable
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.engines.remote import RemoteEngine
 from parrot_backend.server.engine_registry import EngineRegistry, RegisterRequest
 
 from .conftest import LiveServer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from parrot_backend.manager.scripted import ScriptedEngine
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 from .native_support import ALICE, BOB, echo, native_app, run_body, sse_events
 

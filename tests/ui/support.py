@@ -19,10 +19,10 @@ from pathlib import Path
 
 import uvicorn
 
-from parrot_backend.manager.scripted import ScriptedEngine
 from parrot_backend.server import ServerSettings, create_app
 from parrot_backend.server.runtime import NativeRuntime
 from parrot_backend.store import Store
+from parrot_backend.testing.fake_engine import ScriptedEngine
 
 # ChatML, as SmolLM2's template renders it: enough for the examples' chat calls.
 CHATML = (

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from parrot_backend.contract.errors import UnsupportedModel
+
 from ..attention import AttentionBackend, AttentionMetadata
-from ..errors import UnsupportedModel
 
 
 class RMSNorm(nn.Module):

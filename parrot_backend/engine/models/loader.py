@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..errors import UnsupportedModel
+from parrot_backend.contract.errors import UnsupportedModel
+
 from .llama import LlamaForCausalLM, Rotary
 
 # Architectures our Llama-family implementation covers, by `architectures[0]` in config.json.

@@ -1,7 +1,7 @@
 """`RemoteEngine`: the `EngineClient` contract over HTTP, for an engine in another process.
 
 The server side is `parrot_backend.server.engine_api` (run by `parrot-backend engine`);
-its module docstring describes the wire format. Everything the manager does with an
+both speak `parrot_backend.contract.wire`. Everything the manager does with an
 in-process `Engine` works the same here:
 
 - `fill`, `free`, `stats` are one request each; `generate` is one streamed request (SSE).
@@ -32,62 +32,27 @@ import os
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Hashable
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from .errors import (
-    HTTP_STATUS,
-    EngineError,
-    EngineUnavailable,
-    InvalidRequest,
+from parrot_backend.contract.engine import EngineStats, TokenDelta
+from parrot_backend.contract.errors import EngineUnavailable, InvalidRequest
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.contract.wire import (
+    INFO_REQUIRED,
+    check_context_id,
+    delta_from_json,
+    error_from_response,
+    sse_events,
+    stats_from_json,
 )
-from .interface import EngineStats, TokenDelta
-from .sampling import SamplingParams
-from .tokens import decode_tokens, encode_segment, special_token_ids
+from parrot_backend.engine.tokens import decode_tokens, encode_segment, special_token_ids
 
-# error `type` names the engine API sends -> our classes
-_BY_TYPE: dict[str, type[EngineError]] = {cls.__name__: cls for cls in HTTP_STATUS}
-_BY_TYPE["EngineError"] = EngineUnavailable
-# fallback when a body carries no type (a proxy's page, an older server); 503 is not here:
-# it means the engine stopped, which the caller sees as unavailable
-_BY_STATUS: dict[int, type[EngineError]] = {
-    status: cls for cls, status in HTTP_STATUS.items() if status != 503
-}
-_BY_STATUS[422] = InvalidRequest
-
-_STAT_FIELDS = frozenset(f.name for f in fields(EngineStats))
-_INFO_FIELDS = frozenset({"model_name", "vocab_size", "max_model_len", "block_size"})
 _TOKENIZERS: dict[str, Any] = {}  # fingerprint -> loaded tokenizer, shared by engines
 _TOKENIZERS_LOCK = threading.Lock()
-
-
-def error_from_response(status: int, body: Any) -> EngineError:
-    """The exception for an error answer of the engine API."""
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict) and isinstance(err.get("type"), str):
-        message = str(err.get("message") or err["type"])
-        cls = _BY_TYPE.get(err["type"])
-        if cls is not None:
-            return cls(message)
-        if status in (401, 403):
-            return EngineUnavailable(f"the engine refused our API key: {message}")
-        return EngineError(f"engine answered {status}: {message}")
-    if status in (401, 403):
-        return EngineUnavailable(f"the engine refused our API key ({status})")
-    if status >= 500 and status != 507:
-        return EngineUnavailable(f"engine answered {status}")
-    return _BY_STATUS.get(status, EngineError)(f"engine answered {status}")
-
-
-def _check_id(value: Hashable | None, what: str) -> None:
-    # Only ints and strings survive JSON unchanged (a tuple would come back a list).
-    if value is None and what == "parent_id":
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidRequest(f"{what} must be an int or a str over HTTP, got {value!r}")
 
 
 def _load_tokenizer(files: dict[str, str]):
@@ -105,7 +70,7 @@ def _load_tokenizer(files: dict[str, str]):
 def _local_tokenizer(source: str | os.PathLike):
     from transformers import AutoTokenizer
 
-    from .model_files import resolve_model
+    from parrot_backend.engine.model_files import resolve_model
 
     path = resolve_model(source, progress=False)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -171,7 +136,7 @@ class RemoteEngine:
         client = cls.make_client(base_url, api_key)
         try:
             info = await cls._get_json(client, "/engine/info", control_timeout_s)
-            missing = _INFO_FIELDS - set(info) if isinstance(info, dict) else _INFO_FIELDS
+            missing = INFO_REQUIRED - set(info) if isinstance(info, dict) else INFO_REQUIRED
             if missing:
                 raise EngineUnavailable(f"{base_url}/engine/info lacks {sorted(missing)}")
             # loading takes a while: keep the caller's event loop (the manager's) serving
@@ -263,8 +228,8 @@ class RemoteEngine:
     ) -> int:
         """Append tokens to a context (forking it from `parent_id` if new); returns its
         length. Cancelling the awaiting task cancels the remote fill."""
-        _check_id(context_id, "context_id")
-        _check_id(parent_id, "parent_id")
+        check_context_id(context_id, "context_id")
+        check_context_id(parent_id, "parent_id")
         body = {
             "context_id": context_id,
             "parent_id": parent_id,
@@ -286,8 +251,8 @@ class RemoteEngine:
     ) -> AsyncIterator[TokenDelta]:
         """Stream the deltas of a remote generation; the last has `finish_reason` set.
         Closing the iterator early closes the stream, which cancels the generation."""
-        _check_id(context_id, "context_id")
-        _check_id(parent_id, "parent_id")
+        check_context_id(context_id, "context_id")
+        check_context_id(parent_id, "parent_id")
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling must be a SamplingParams")
         self._check_open()
@@ -304,13 +269,10 @@ class RemoteEngine:
                 if response.status_code != 200:
                     await response.aread()
                     raise error_from_response(response.status_code, _json_or_none(response))
-                async for event, data in _sse_events(response.aiter_bytes()):
+                async for event, data in sse_events(response.aiter_bytes()):
                     if event == "error":
                         raise error_from_response(200, _loads(data))
-                    payload = _loads(data)
-                    delta = TokenDelta(
-                        payload["token_id"], payload["text"], payload.get("finish_reason")
-                    )
+                    delta = delta_from_json(_loads(data))
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
@@ -322,7 +284,7 @@ class RemoteEngine:
 
     async def free(self, context_id: Hashable) -> None:
         """Release a context (blocks other contexts hold stay alive)."""
-        _check_id(context_id, "context_id")
+        check_context_id(context_id, "context_id")
         await self._post("/engine/free", {"context_id": context_id}, timeout=self.control_timeout_s)
 
     async def reset(self) -> int:
@@ -334,11 +296,7 @@ class RemoteEngine:
     async def stats(self) -> EngineStats:
         self._check_open()
         data = await self._get_json(self._client, "/engine/stats", self.control_timeout_s)
-        known = {k: v for k, v in data.items() if k in _STAT_FIELDS}
-        # fields a newer engine adds land in `extra` instead of breaking us
-        extra = dict(known.pop("extra", None) or {})
-        extra.update({k: v for k, v in data.items() if k not in _STAT_FIELDS})
-        return EngineStats(**known, extra=extra)
+        return stats_from_json(data)
 
     async def health(self) -> bool:
         """Whether `/healthz` answers OK (it needs no key)."""
@@ -381,32 +339,3 @@ def _loads(data: str) -> Any:
         return json.loads(data)
     except ValueError as exc:
         raise EngineUnavailable(f"engine sent a malformed event: {data[:200]!r}") from exc
-
-
-async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, str]]:
-    """(event name, data) per server-sent event; comment lines (pings) are skipped.
-
-    Lines end at LF (CRLF tolerated) only: httpx's `aiter_lines` also splits at U+2028,
-    U+0085 and friends, which may appear raw inside a JSON string of generated text."""
-    buffer = b""
-    event, data = "message", []
-    async for chunk in chunks:
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for raw in lines:
-            line = raw.removesuffix(b"\r").decode("utf-8", "replace")
-            if not line:
-                if data:
-                    yield event, "\n".join(data)
-                event, data = "message", []
-            elif line.startswith(":"):
-                continue
-            else:
-                name, _, value = line.partition(":")
-                value = value[1:] if value.startswith(" ") else value
-                if name == "event":
-                    event = value
-                elif name == "data":
-                    data.append(value)
-    if data:
-        yield event, "\n".join(data)

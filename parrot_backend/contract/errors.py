@@ -1,4 +1,5 @@
-"""Errors the engine raises for bad requests. None of them stops the engine loop."""
+"""Errors an engine reports to one request. None of them stops the engine: it keeps serving
+the others."""
 
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ class EngineDead(EngineUnavailable):
 
 class StepFailed(EngineError):
     """Computing this request failed while the engine went on serving others: its step
-    failed again with this request alone in it (see `Engine._step`)."""
+    failed again with this request alone in it (see the engine's step loop)."""
 
 
 # The engine API's status for each error (the class name travels as the error `type`);
-# the server side (server/engine_api.py) and the client side (engine/remote.py) share it.
+# `wire.py` maps both ways with it.
 HTTP_STATUS: dict[type[EngineError], int] = {
     InvalidRequest: 400,
     ContextNotFound: 404,

@@ -1,9 +1,21 @@
-"""Sampling parameters (torch-free: a manager-only node imports this without torch)."""
+"""Sampling parameters: the one definition of how an engine picks tokens.
+
+Frozen: a manager shares one `SamplingParams` among every call made from the same
+generation config, and engines keep the one they are given for the whole generation.
+
+Also the engine API's JSON for them (`wire.GenerateRequest.sampling`): pydantic validates
+these dataclasses directly, with integers strict (`"5"` is not 5) and unknown fields
+refused; the values themselves are checked by `validate`, where the engine knows its
+vocabulary.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import ConfigDict, StrictInt
 
 from .errors import InvalidRequest
 
@@ -29,6 +41,8 @@ class Constraint:
     kind: str
     spec: str | tuple[str, ...]
     require_complete: bool = False
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
 
     @property
     def key(self) -> tuple[str, str | tuple[str, ...]]:
@@ -58,20 +72,21 @@ class Constraint:
                                  f"at most {MAX_CONSTRAINT_CHARS})")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens for one generation. `temperature == 0` means greedy, and so does
     any temperature below `GREEDY_BELOW` (dividing logits by it would overflow float32)."""
 
-    GREEDY_BELOW = 1e-5
+    GREEDY_BELOW: ClassVar[float] = 1e-5
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
 
-    max_tokens: int = 128
+    max_tokens: StrictInt = 128
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    seed: int | None = None
+    top_k: StrictInt = 0  # 0 = disabled
+    seed: StrictInt | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[StrictInt] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # None: free text (the plain sampler path)
 

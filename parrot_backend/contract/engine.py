@@ -1,7 +1,8 @@
-"""The engine contract the manager uses: fill, generate, free, stats.
+"""The engine interface the manager and the servers use: fill, generate, free, stats.
 
-One implementation runs in-process (`parrot_backend.engine.engine.Engine`);
-others reach a remote engine over HTTP. The manager never touches torch.
+Implementations: the in-process engine (`parrot_backend.engine.engine.Engine`), the remote
+engine over HTTP (`parrot_backend.engines.remote.RemoteEngine`), and the fake engines of
+`parrot_backend.testing.fake_engine`. The manager never touches torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from .sampling import SamplingParams
 
-ContextId = Hashable  # ints or strings chosen by the caller
+ContextId = Hashable  # ints or strings chosen by the caller (only those survive HTTP)
 
 
 @dataclass(slots=True)
@@ -57,7 +58,12 @@ class EngineStats:
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What the manager (and the HTTP engine API) needs from an engine."""
+    """What the manager (and the HTTP engine API) needs from an engine.
+
+    `priority` orders an engine's queue: lower runs first (the manager sends latency calls
+    at 0 and throughput calls at 1). An engine that does not order requests accepts it
+    and ignores it.
+    """
 
     model_name: str
 
@@ -68,6 +74,7 @@ class EngineClient(Protocol):
         token_ids: list[int],
         *,
         salt: str | None = None,
+        priority: int = 0,
     ) -> int:
         """Append tokens to a context (creating it, forked from `parent_id`, if new) and
         compute their KV. Returns the context's length in tokens."""
@@ -80,6 +87,7 @@ class EngineClient(Protocol):
         sampling: SamplingParams,
         *,
         salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[TokenDelta]:
         """Generate into a context (creating it from `parent_id` if new); the generated
         tokens stay in the context. Closing the iterator early cancels the generation."""

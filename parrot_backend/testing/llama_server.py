@@ -1,6 +1,42 @@
 """Build, find and run llama.cpp's `llama-server` for tests and benchmarks.
 
-API FACTS: filled in below once measured.
+The build (CPU only, `GGML_NATIVE`, static) takes the llama.cpp vendored in the
+llama-cpp-python sdist (0.3.36: llama.cpp build `b1-0c1e570`) and lands in the cache once:
+781 s on this machine's 2 shared cores; later runs find it in under a second.
+
+What the upstream adapter (`parrot_backend.engines.upstream`) relies on, each checked
+against this server in `tests/upstream/test_llama_server.py` (SmolLM2-135M Q4_1 GGUF):
+
+- `/v1/models` lists one model (`owned_by: "llamacpp"`, `meta.n_vocab`, `meta.n_ctx`);
+  `/props` gives `total_slots`, each slot's context (`default_generation_settings.n_ctx`:
+  `--ctx-size` split between `--parallel` slots), the GGUF's chat template and BOS/EOS.
+- `/tokenize` equals transformers' tokenizer of the same model on every text tried
+  (`add_special` adds nothing: the GGUF has no BOS); `parse_special: false` spells special
+  tokens out as text; `/detokenize` inverts it.
+- A prompt given as token ids gives the same completion as its text.
+- `/completion` (native) with `stream` and `return_tokens` streams one chunk per token
+  (`content`, `tokens: [id]`); text held back for a stop string arrives with a later
+  token's chunk. The last chunk has `stop: true`, `stop_type` (`eos`, `word`, `limit`) and
+  `timings` (`prompt_n`, `cache_n`: tokens reused from the slot's cache). An EOS token
+  comes as its own chunk with empty text; the tokens of a stop string are streamed, its
+  text is cut. `n_predict: 0` still evaluates (and caches) the prompt.
+- Closing the HTTP stream cancels the task (the log says "cancel task"; the slot goes idle
+  long before `n_predict`).
+- Greedy (`temperature: 0`) repeats exactly; a fixed `seed` repeats a sampled completion.
+- `cache_prompt` (default on) reuses the longest common prefix **of the slot** the request
+  lands in (reported as `usage.prompt_tokens_details.cached_tokens`); a request is
+  placed in the idle slot whose cached prompt shares most with it
+  (`--slot-prompt-similarity`, default 0.1). Slots do not share KV: with 4 slots, one
+  prefix warmed by a request and then 4 concurrent requests sharing it gave
+  `cache_n` = 261 for the one that landed in the warmed slot and 0-1 for the other three
+  (the same with `--kv-unified`). Its RAM prompt cache (`--cache-ram`) restores saved
+  copies of idle slots into a new task's slot, which helps later requests, not these.
+- Errors are JSON `{"error": {"code", "message", "type"}}`: 400 for invalid tokens and for a
+  prompt beyond a slot's context (`exceed_context_size_error`).
+- `/metrics` (with `--metrics`): `llamacpp:requests_processing`, `llamacpp:requests_deferred`,
+  `llamacpp:prompt_tokens_total`, `llamacpp:prompt_tokens_cached_total`,
+  `llamacpp:tokens_predicted_total`; `/slots` lists each slot's `n_ctx` and
+  `is_processing`.
 """
 
 from __future__ import annotations

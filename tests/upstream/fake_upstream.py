@@ -84,6 +84,8 @@ class FakeUpstream:
 
     # ------------------------------------------------------------------ routes
     def handle_sync(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/tokenize":
             body = json.loads(request.content)
             return httpx.Response(200, json={"tokens": [ord(c) for c in body["content"]]})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from parrot_backend.contract.errors import (
@@ -14,7 +15,7 @@ from parrot_backend.contract.errors import (
     InvalidRequest,
 )
 from parrot_backend.contract.sampling import Constraint, SamplingParams
-from parrot_backend.engines.upstream import UpstreamEngine
+from parrot_backend.engines.upstream import UpstreamEngine, connect_all
 from parrot_backend.engines.upstream.metrics import read_load
 
 from .fake_upstream import EOS, CharTokenizer, FakeUpstream
@@ -320,3 +321,25 @@ def test_metrics_of_each_server_kind() -> None:
                      "parrot_kv_blocks_used 5\n")
     assert (ours.running, ours.kv_usage) == (2, 0.5)
     assert read_load("garbage line\n").running is None
+
+
+async def test_connect_all_shares_one_tokenizer_that_survives_its_first_server() -> None:
+    fakes = {"a": FakeUpstream(), "b": FakeUpstream()}
+
+    async def route(request):
+        return await fakes[request.url.host].handle(request)
+
+    def route_sync(request):
+        return fakes[request.url.host].handle_sync(request)
+
+    a, b = await connect_all(["http://a:1/v1", "http://b:1/v1"],
+                             transport=httpx.MockTransport(route),
+                             sync_transport=httpx.MockTransport(route_sync))
+    assert a._tok is b._tok
+    fakes["a"].down = True
+    assert a.tokenize("new text") == ids("new text")  # answered by the second server
+    fakes["b"].down = True
+    with pytest.raises(EngineUnavailable):
+        a.tokenize("more new text")
+    await a.aclose()
+    await b.aclose()

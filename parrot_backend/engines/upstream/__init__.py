@@ -9,6 +9,6 @@ llama.cpp, or any OpenAI-compatible completions server), so Parrot's manager dri
 - `metrics.py`: the server's Prometheus metrics as a load.
 """
 
-from .engine import UpstreamEngine, error_for
+from .engine import UpstreamEngine, connect_all, error_for
 
-__all__ = ["UpstreamEngine", "error_for"]
+__all__ = ["UpstreamEngine", "connect_all", "error_for"]

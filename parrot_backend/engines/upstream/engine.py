@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
 import httpx
@@ -68,7 +68,7 @@ from . import dialects
 from .contexts import Context, ContextTree
 from .discover import UpstreamInfo, discover
 from .metrics import Load, read_load
-from .tokenizer import HttpTokenizer, LocalTokenizer, check_agrees
+from .tokenizer import PROBE, HttpTokenizer, LocalTokenizer, check_agrees
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class UpstreamEngine:
         self.special_tokens = dict(info.special_tokens)
         self.eos_ids = eos_ids
         self._tok = tokenizer
+        self._owns_tok = True
         self.tokenizer = tokenizer.hf  # the manager cuts prefixes with its pre-tokenizer
         self.special_token_ids = tokenizer.special_token_ids
         self.warm_prefixes = warm_prefixes
@@ -234,7 +235,7 @@ class UpstreamEngine:
         if self._scrape is not None:
             self._scrape.cancel()
         await self._client.aclose()
-        if isinstance(self._tok, HttpTokenizer):
+        if isinstance(self._tok, HttpTokenizer) and self._owns_tok:
             self._tok.close()
 
     async def __aenter__(self) -> UpstreamEngine:
@@ -516,6 +517,37 @@ class UpstreamEngine:
             self._down = f"upstream {self.url} cannot be reached: {exc!r}"
         finally:
             self._scraped_at = time.monotonic()
+
+
+async def connect_all(urls: Sequence[str], **kwargs: Any) -> list[UpstreamEngine]:
+    """Connect to several upstreams of one model (`UpstreamEngine.connect`'s keywords).
+
+    Those that tokenize through their own `/tokenize` share one tokenizer that falls back
+    from one server to the next: the manager renders every prompt with its first engine's
+    tokenizer, which must outlive that engine's server."""
+    engines: list[UpstreamEngine] = []
+    try:
+        for url in urls:
+            engines.append(await UpstreamEngine.connect(url, **kwargs))
+    except BaseException:
+        for engine in engines:
+            await engine.aclose()
+        raise
+    shared: HttpTokenizer | None = None
+    for engine in engines:
+        tok = engine._tok
+        if not isinstance(tok, HttpTokenizer):
+            continue
+        if shared is None:
+            shared = tok
+        elif tok.kind == shared.kind and await asyncio.to_thread(_agree, shared, tok):
+            shared.join(tok)
+            engine._tok, engine._owns_tok = shared, False
+    return engines
+
+
+def _agree(a: HttpTokenizer, b: HttpTokenizer) -> bool:
+    return a.tokenize(PROBE) == b.tokenize(PROBE)
 
 
 class _Reading:

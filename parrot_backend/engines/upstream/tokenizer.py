@@ -46,7 +46,11 @@ class LocalTokenizer:
 
 
 class HttpTokenizer:
-    """The upstream's `/tokenize` and `/detokenize`, cached (LRU, `size` texts)."""
+    """The upstream's `/tokenize` and `/detokenize`, cached (LRU, `size` texts).
+
+    `roots` are servers of one model that tokenize alike (`join`): when the one in use
+    cannot be reached, the next is asked, so a manager whose first upstream died still
+    renders prompts."""
 
     hf = None
 
@@ -66,14 +70,20 @@ class HttpTokenizer:
         self.kind = kind
         self.model = model
         self.special_token_ids = dict(specials or {})
-        self._client = httpx.Client(base_url=root, headers=headers, timeout=timeout_s,
-                                    trust_env=False, transport=transport)
+        self._clients = [httpx.Client(base_url=root, headers=headers, timeout=timeout_s,
+                                      trust_env=False, transport=transport)]
         self._cache: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
         self._size = size
         self._warned = False
 
+    def join(self, other: HttpTokenizer) -> None:
+        """Fall back on `other`'s server (same kind and tokenization) when ours is down."""
+        self._clients.extend(other._clients)
+        other._clients = []
+
     def close(self) -> None:
-        self._client.close()
+        for client in self._clients:
+            client.close()
 
     def tokenize(self, text: str, *, data: bool = False) -> list[int]:
         key = (text, data)
@@ -105,18 +115,27 @@ class HttpTokenizer:
         return str(self._post("/detokenize", body)["prompt"])
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            response = self._client.post(path, json=body)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"{self.root}{path}: {exc!r}") from exc
+        if not self._clients:
+            raise EngineUnavailable(f"{self.root}: this tokenizer was joined to another")
+        for i, client in enumerate(self._clients):
+            try:
+                response = client.post(path, json=body)
+            except httpx.HTTPError as exc:
+                if i + 1 == len(self._clients):
+                    raise EngineUnavailable(f"{client.base_url}{path}: {exc!r}") from exc
+                continue
+            if i:  # ask the one that answered first from now on
+                self._clients.insert(0, self._clients.pop(i))
+            break
+        where = f"{response.request.url}"
         if response.status_code in (400, 422):
-            raise InvalidRequest(f"{self.root}{path} refused the text: {response.text[:300]}")
+            raise InvalidRequest(f"{where} refused the text: {response.text[:300]}")
         if response.status_code != 200:
-            raise EngineUnavailable(f"{self.root}{path} answered {response.status_code}")
+            raise EngineUnavailable(f"{where} answered {response.status_code}")
         try:
             return response.json()
         except ValueError as exc:
-            raise EngineUnavailable(f"{self.root}{path} did not answer JSON") from exc
+            raise EngineUnavailable(f"{where} did not answer JSON") from exc
 
 
 def check_agrees(local: LocalTokenizer, remote: HttpTokenizer, text: str = PROBE) -> None:

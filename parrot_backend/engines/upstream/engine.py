@@ -99,8 +99,9 @@ class UpstreamEngine:
         self,
         info: UpstreamInfo,
         tokenizer: LocalTokenizer | HttpTokenizer,
-        client: httpx.AsyncClient,
         *,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
         model_name: str | None = None,
         eos_ids: frozenset[int] = frozenset(),
         warm_prefixes: bool = True,
@@ -108,7 +109,9 @@ class UpstreamEngine:
         capacity_tokens: int | None = None,
         stats_interval_s: float = 1.0,
     ) -> None:
-        """Prefer `connect`, which asks the upstream for `info` and sets up the tokenizer."""
+        """Prefer `connect`, which asks the upstream for `info` and sets up the tokenizer.
+        The HTTP client is made on first use, on the event loop that uses it (a `serve`
+        connects its upstreams before it starts its own loop)."""
         self.info = info
         self.kind = info.kind
         self.url = info.base
@@ -129,7 +132,9 @@ class UpstreamEngine:
         self.tree = ContextTree()
         self.closed = False
         self.error: BaseException | None = None  # (an in-process engine's loop death)
-        self._client = client
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
         self._load = Load()
         self._scraped_at = float("-inf")
         self._scrape: asyncio.Task[None] | None = None
@@ -174,15 +179,7 @@ class UpstreamEngine:
         none to use. `transport`, `sync_transport`: httpx transports to reach the server
         through (tests)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        client = httpx.AsyncClient(
-            headers=headers,
-            # no read timeout: a generation may wait long in the upstream's queue; a dead
-            # server shows as a refused or broken connection
-            timeout=httpx.Timeout(None, connect=5.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            trust_env=False,
-            transport=transport,
-        )
+        client = _make_client(headers, transport)  # for these questions only
         remote = None
         try:
             info = await discover(client, url, model=model, kind=kind)
@@ -205,17 +202,16 @@ class UpstreamEngine:
             if isinstance(tok, HttpTokenizer):
                 tok.special_token_ids.update(_special_ids(info, tok))
         except BaseException:
-            await client.aclose()
             if remote is not None:
                 remote.close()
             raise
+        finally:
+            await client.aclose()
         if local is not None and remote is not None:
             remote.close()  # checked; the local one answers from here on
-        engine = cls(info, tok, client, model_name=model_name, eos_ids=eos_ids,
-                     warm_prefixes=True if warm_prefixes is None else warm_prefixes,
-                     capacity_tokens=capacity_tokens, stats_interval_s=stats_interval_s)
-        await engine._refresh()
-        return engine
+        return cls(info, tok, api_key=api_key, transport=transport, model_name=model_name,
+                   eos_ids=eos_ids, warm_prefixes=True if warm_prefixes is None else warm_prefixes,
+                   capacity_tokens=capacity_tokens, stats_interval_s=stats_interval_s)
 
     def _default_capacity(self) -> int:
         if self.info.slots and self.max_model_len:
@@ -234,7 +230,8 @@ class UpstreamEngine:
         self.closed = True
         if self._scrape is not None:
             self._scrape.cancel()
-        await self._client.aclose()
+        if self._http is not None:
+            await self._http.aclose()
         if isinstance(self._tok, HttpTokenizer) and self._owns_tok:
             self._tok.close()
 
@@ -367,6 +364,8 @@ class UpstreamEngine:
         `stats_interval_s`. Raises EngineUnavailable while the upstream cannot be
         reached."""
         self._check_open()
+        if self._scraped_at == float("-inf"):
+            await self._refresh()  # the first time: there is nothing to answer with yet
         stale = time.monotonic() - self._scraped_at > self.stats_interval_s
         if stale and (self._scrape is None or self._scrape.done()):
             self._scrape = asyncio.create_task(self._refresh())
@@ -405,6 +404,12 @@ class UpstreamEngine:
     def _check_open(self) -> None:
         if self.closed:
             raise EngineUnavailable(f"upstream {self.url}: client closed")
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = _make_client(self._headers, self._transport)
+        return self._http
 
     def _path_url(self, path: str) -> str:
         return (self.info.root if self.kind == dialects.LLAMA_CPP else self.info.base) + path
@@ -581,6 +586,19 @@ class _Reading:
                     self.ctx.tokens.extend(tokenize("".join(self.texts), data=True))
             out.append(TokenDelta(tid, text, finish))
         return out
+
+
+def _make_client(headers: dict[str, str], transport: httpx.AsyncBaseTransport | None
+                 ) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        headers=headers,
+        # no read timeout: a generation may wait long in the upstream's queue; a dead
+        # server shows as a refused or broken connection
+        timeout=httpx.Timeout(None, connect=5.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        trust_env=False,
+        transport=transport,
+    )
 
 
 def _retry_after(response: httpx.Response, attempt: int) -> float:

@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.program import CallSpec, RunSpec
 from parrot_backend.testing.fake_engine import NoopEngine
 

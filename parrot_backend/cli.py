@@ -93,6 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from parrot_backend.contract.errors import EngineError
     from parrot_backend.engine.engine import Engine
     from parrot_backend.server import ServerSettings, create_app
     from parrot_backend.server.runtime import NativeRuntime
@@ -122,13 +123,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: database: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                        num_blocks=args.num_blocks)
-        from parrot_backend.manager.executor import ManagerConfig
+        from parrot_backend.engines.upstream import serving as upstream_serving
+
+        local = None if args.no_local_engine else Engine.from_pretrained(
+            args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks)
+        # --upstream servers (vLLM, SGLang, llama.cpp) run calls beside the local engine
+        engines, engine, upstreams = upstream_serving.serve_engines(args, local)
+        from parrot_backend.manager.manager import ManagerConfig
 
         limits = ManagerConfig(max_calls_per_run=args.max_calls_per_run,
                                max_calls_per_tenant=args.max_calls_per_tenant)
-        runtime = NativeRuntime(store, {"engine-0": engine}, worker=args.worker_id,
+        runtime = NativeRuntime(store, engines, worker=args.worker_id,
                                 owner_lease_s=args.run_lease, manager_config=limits)
         settings = ServerSettings(host=args.host, port=args.port, api_keys=keys,
                                   key_lookup=runtime.key_lookup if auth else None,
@@ -145,7 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
                                       on_added=runtime.manager.add_engine,
                                       on_removed=runtime.manager.remove_engine)
         app = create_app(engine, settings=settings, native=runtime, registry=registry)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         store.close()
         return 2
@@ -172,10 +177,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         watcher = asyncio.create_task(watch())
+        keeper = asyncio.create_task(  # an upstream that answers again goes back in service
+            upstream_serving.keep_in_service(runtime.manager, upstreams))
         try:
             await server.serve()
         finally:
             watcher.cancel()
+            keeper.cancel()
+            await upstream_serving.close(upstreams)
 
     try:
         asyncio.run(main())
@@ -247,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="garbage collector: freeze start-up objects and collect young "
                         "objects every N allocations (default 10000, see "
                         "parrot_backend/manager/gctune.py); 0 leaves Python's defaults")
+    from parrot_backend.engines.upstream.serving import add_arguments as upstream_arguments
+
+    upstream_arguments(s)  # --upstream URL ..., --no-local-engine
     s.set_defaults(func=_serve)
     from parrot_backend.server.engine_main import add_engine_parser
 

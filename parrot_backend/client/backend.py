@@ -86,7 +86,7 @@ class InProcessBackend:
     ) -> InProcessBackend:
         """Start a loop thread, build and start the engines (those with `start()`) and a
         `Manager` on it, and return a backend for it."""
-        from parrot_backend.manager.executor import Manager
+        from parrot_backend.manager.manager import Manager
 
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="parrot-backend", daemon=True)

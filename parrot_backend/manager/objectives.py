@@ -7,19 +7,12 @@ declared outputs, or a `get(perf=...)`). From those, walking the DAG backwards:
    latency call, and so is every call it (transitively) depends on: the value cannot be
    ready before all of them finish, so each one is on its critical path. In particular a
    latency call's sole producer inherits latency.
-2. **Fan-in forms task groups.** When a call reads variables from two or more producers
-   that do not depend on one another (the *frontier*: producers that are not ancestors of
-   another producer of the same call), those producers form a **task group**: the consumer
-   starts only when the last of them finishes, so they should finish together. The
-   scheduler gang-schedules a group and batches it for throughput; the group as a whole
-   carries its consumer's objective (latency if any consumer that formed it is latency).
-   Map-reduce maps, and the agents of a multi-agent fan-out/fan-in, are task groups.
-   Groups that share a member are merged, so a call belongs to at most one group.
+2. **Fan-in forms task groups** (`task_groups.py`): parallel producers of one call should
+   finish together; a group carries its consumer's objective (latency if any consumer
+   that formed it is latency), and its members are batched for throughput.
 3. **Everything else is throughput.** Calls nobody waits on, directly or downstream, and
    calls feeding only throughput outputs, get `throughput`.
 
-A producer that is an ancestor of another producer of the same consumer is left out of the
-group: it finishes before its descendant anyway, so finishing "together" means nothing.
 The deduction is a pure function of the program and the waits; an open run calls it again
 when calls are added or a client starts waiting.
 """
@@ -33,15 +26,7 @@ from typing import Any
 
 from parrot_backend.program import Call, Criterion, Program, UnknownVariableError
 
-
-@dataclass(slots=True, frozen=True)
-class TaskGroup:
-    """Parallel calls that feed the same consumer(s) and should finish together."""
-
-    id: int
-    members: tuple[str, ...]  # call names, in program order
-    consumers: tuple[str, ...]  # the fan-in calls that formed the group
-    objective: Criterion
+from .task_groups import TaskGroup, task_groups
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,7 +91,7 @@ def deduce(program: Program, waits: Mapping[str, Criterion]) -> Deduction:
         found = [p for v in call.inputs if (p := variables[v].producer) is not None]
         preds[name] = found if len(found) < 2 else list(dict.fromkeys(found))
     latency = _latency_calls(program, preds, waits)
-    groups = _task_groups(program, preds, latency)
+    groups = task_groups(program, preds, latency)
     calls = {name: _PLAIN["latency" if name in latency else "throughput"] for name in preds}
     for group in groups:
         for member in group.members:
@@ -153,58 +138,3 @@ def _latency_calls(
             seen.add(call)
             stack.extend(preds[call])
     return seen
-
-
-def _task_groups(
-    program: Program, preds: Mapping[str, list[str]], latency: set[str]
-) -> list[TaskGroup]:
-    """Union the frontier producers of every fan-in call into groups."""
-    parent: dict[str, str] = {}
-
-    def root(call: str) -> str:
-        while parent[call] != call:
-            parent[call] = parent[parent[call]]  # path halving keeps later finds short
-            call = parent[call]
-        return call
-
-    consumers: dict[str, list[str]] = {}  # a member of each group -> its consumers
-    for consumer, producers in preds.items():
-        if len(producers) < 2:
-            continue
-        # every ancestor of any producer: a producer found here is upstream of another
-        upstream: set[str] = set()
-        stack = [q for p in producers for q in preds[p]]
-        while stack:
-            call = stack.pop()
-            if call not in upstream:
-                upstream.add(call)
-                stack.extend(preds[call])
-        frontier = [p for p in producers if p not in upstream]
-        if len(frontier) < 2:
-            continue
-        for p in frontier:
-            parent.setdefault(p, p)
-        first = root(frontier[0])
-        for p in frontier[1:]:
-            other = root(p)
-            if other != first:
-                parent[other] = first
-        consumers.setdefault(frontier[0], []).append(consumer)
-
-    if not parent:
-        return []
-
-    order = {name: i for i, name in enumerate(program.calls)}
-    members: dict[str, list[str]] = {}
-    for call in sorted(parent, key=order.__getitem__):
-        members.setdefault(root(call), []).append(call)
-    formed_by: dict[str, list[str]] = {}
-    for member, fan_ins in consumers.items():
-        formed_by.setdefault(root(member), []).extend(fan_ins)
-
-    groups: list[TaskGroup] = []
-    for gid, (key, calls) in enumerate(sorted(members.items(), key=lambda kv: order[kv[1][0]])):
-        fan_ins = tuple(sorted(set(formed_by[key]), key=order.__getitem__))
-        objective: Criterion = "latency" if any(c in latency for c in fan_ins) else "throughput"
-        groups.append(TaskGroup(gid, tuple(calls), fan_ins, objective))
-    return groups

@@ -31,16 +31,8 @@ Policy, in order of precedence:
 
 Knobs (`PolicyConfig`): `latency_capacity`, `max_batch`, `aging_s`.
 
-What the policy is offered (the manager's dispatch window, `Manager._window`): when more
-calls are pending than the engines have batch slots (`max_batch` minus each reachable
-engine's running calls, summed), a round offers about that many: aged calls (oldest
-first), then latency calls, then throughput calls; within each kind every run first gets
-an equal share of the slots, then the oldest fill the rest. A call in a task group brings
-all pending members of its group and each member counts against the slots (and its run's
-share): groups are never split. A group that does not fit in the slots left is passed over
-for that round, unless nothing was chosen before it: the first unit in this order is
-always offered whole, even a group larger than all the slots, so aging still guarantees
-that every group is offered.
+What the policy is offered: when more calls are ready than the engines have batch slots,
+only the calls of the dispatch window (`dispatch_window.py`, which states its rule).
 
 Memory: a call needs `n_tokens` (prompt plus max new tokens) minus the tokens of the
 longest prefix the engine holds; it fits when that is at most the engine's free KV tokens.

@@ -25,7 +25,7 @@ is not the start of the prompt is not offered). Equal prefixes get equal keys
 The plan of a call: fill the prompt, then for each output in order: generate it, then
 fill what the template has up to the next output (text tokenized alone, values as
 data). Segments after the last output are never filled: nothing is generated after them.
-A `CallPlan` and its `Step`s are read-only: the manager only reads them (`execute.py`
+A `CallPlan` and its `Step`s are read-only: the manager only reads them (`call_task.py`
 slices the prompt and copies what it fills; `sharing.py` reads the prompt).
 """
 

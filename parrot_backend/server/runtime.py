@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from parrot_backend.contract.engine import EngineClient
-from parrot_backend.manager.executor import Manager, ManagerConfig
+from parrot_backend.manager.manager import Manager, ManagerConfig
 from parrot_backend.program import ProgramError, ProgramSpec, RunSpec
 from parrot_backend.store import NotFoundError, RunRecord, Store
 

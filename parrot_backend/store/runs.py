@@ -202,7 +202,7 @@ class RunsMixin(StoreBase):
         "task_group"?, "types"?}`` in program order (their position is the call index);
         ``types`` maps typed outputs to their type (`VALUE_TYPES`), the rest are text.
         ``objectives`` maps output variable names to ``latency`` or ``throughput``.
-        ``run_id`` lets the caller (the server's run executor) choose the id.
+        ``run_id`` lets the caller (the server's manager) choose the id.
         """
         plans = parse_calls(calls)
         types = output_types(calls)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from parrot_backend.client import InProcessBackend, Session, semantic_function, set_backend
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.program import ProgramError
 from parrot_backend.testing.fake_engine import ScriptedEngine
 

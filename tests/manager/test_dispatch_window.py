@@ -7,32 +7,34 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from parrot_backend.manager.dispatch_window import dispatch_window
 from parrot_backend.manager.events import EventLog
-from parrot_backend.manager.executor import Manager, ManagerConfig, _Ready
+from parrot_backend.manager.manager import Manager, ManagerConfig
 from parrot_backend.manager.policy import PolicyConfig
+from parrot_backend.manager.ready_queue import ReadyCall, ReadyQueue
 from parrot_backend.manager.runs import Run
 from parrot_backend.program import Program, RunSpec
 from parrot_backend.testing.fake_engine import ScriptedEngine
 
 
-def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
+def reference_window(pending: list[ReadyCall], slots: int, old: float) -> set[str]:
     """The rule, restated plainly: a call brings its whole task group, every member counts
     against the slots (and its tenant's and run's shares); a group that does not fit in the
     slots left is passed over, unless nothing is chosen yet. Each tenant's share is an
     equal part of the slots, each run's an equal part of its tenant's share."""
     if len(pending) <= slots:
         return {r.call_id for r in pending}
-    chosen: dict[str, _Ready] = {}
+    chosen: dict[str, ReadyCall] = {}
     taken: Counter[str] = Counter()
     by_tenant: Counter[str | None] = Counter()
     passed: set[tuple[str, int]] = set()
 
-    def unit(r: _Ready) -> list[_Ready]:
+    def unit(r: ReadyCall) -> list[ReadyCall]:
         if r.group is None:
             return [r]
         return [q for q in pending if q.run is r.run and q.group == r.group]
 
-    def take(r: _Ready) -> None:
+    def take(r: ReadyCall) -> None:
         if r.group is not None and (r.run.run_id, r.group) in passed:
             return
         members = unit(r)
@@ -71,18 +73,17 @@ def reference_window(pending: list[_Ready], slots: int, old: float) -> set[str]:
 def test_window_picks_what_the_rule_says() -> None:
     rng = random.Random(3)
     now = [100.0]
-    config = ManagerConfig(policy=PolicyConfig(aging_s=10.0))
     for trial in range(150):
-        m = Manager({"e": ScriptedEngine()}, config=config, clock=lambda: now[0])
+        q = ReadyQueue()
         tenants = [None, "alice", "bob", "carol"][: rng.randint(1, 4)]
         runs = [
             Run(f"r{i}", Program(), rng.choice(tenants), "t:", True, {}, EventLog(f"r{i}"))
             for i in range(rng.randint(1, 12))
         ]
-        order: list[_Ready] = []
+        order: list[ReadyCall] = []
         for k in range(rng.randint(1, 80)):
             run = rng.choice(runs)
-            ready = _Ready(
+            ready = ReadyCall(
                 f"{run.run_id}/c{k}",
                 run,
                 f"c{k}",
@@ -90,36 +91,36 @@ def test_window_picks_what_the_rule_says() -> None:
                 rng.choice(["latency", "throughput"]),
                 rng.choice([None, 0, 1]),
             )
-            m._queue(ready)
+            q.add(ready)
             order.append(ready)
         # some calls leave the queue (dispatched or cancelled)
         for ready in rng.sample(order, len(order) // 4):
-            m._unqueue(ready.run, ready.name)
+            q.remove(ready.run, ready.name)
             order.remove(ready)
-        assert m._pending_latency == sum(r.objective == "latency" for r in order)
-        assert m._pending_runs == Counter(r.run.run_id for r in order)
-        assert m._pending_tenants == Counter(
+        assert q.latency == sum(r.objective == "latency" for r in order)
+        assert q.runs == Counter(r.run.run_id for r in order)
+        assert q.tenants == Counter(
             {t: len({r.run.run_id for r in order if r.run.tenant == t})
              for t in {r.run.tenant for r in order}})
-        assert m._inflight == Counter(r.run.tenant for r in order)
+        assert q.inflight == Counter(r.run.tenant for r in order)
         slots = rng.randint(0, 40)
-        got = {r.call_id for r in m._window(slots)}
+        got = {r.call_id for r in dispatch_window(q, slots, now[0] - 10.0)}
         assert got == reference_window(order, slots, now[0] - 10.0), trial
 
 
-def _ready(run: Run, name: str, at: float, group: int | None, objective="throughput") -> _Ready:
-    return _Ready(f"{run.run_id}/{name}", run, name, at, objective, group)
+def _ready(run: Run, name: str, at: float, group: int | None, objective="throughput") -> ReadyCall:
+    return ReadyCall(f"{run.run_id}/{name}", run, name, at, objective, group)
 
 
 def test_a_group_is_never_split_and_counts_against_the_slots() -> None:
     now = [100.0]
-    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    q = ReadyQueue()
     runs = [Run(f"r{i}", Program(), None, "t:", True, {}, EventLog(f"r{i}")) for i in range(4)]
     for i, run in enumerate(runs):  # four runs, each a group of 3 and a single call
         for k in range(3):
-            m._queue(_ready(run, f"m{k}", 99.0 + i * 0.01, 0))
-        m._queue(_ready(run, "s", 99.5, None))
-    window = m._window(7)
+            q.add(_ready(run, f"m{k}", 99.0 + i * 0.01, 0))
+        q.add(_ready(run, "s", 99.5, None))
+    window = dispatch_window(q, 7, now[0] - 10.0)
     # fair share 7 // 4 = 1: r0's group (3), r1's group (3), then r2's group does not fit
     # the one slot left (passed over) and r2's single takes it
     assert [r.call_id for r in window] == [
@@ -135,29 +136,29 @@ def test_a_group_is_never_split_and_counts_against_the_slots() -> None:
 
 def test_a_group_larger_than_the_slots_is_offered_whole_when_it_comes_first() -> None:
     now = [100.0]
-    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    q = ReadyQueue()
     big = Run("big", Program(), None, "t:", True, {}, EventLog("big"))
     small = Run("small", Program(), None, "t:", True, {}, EventLog("small"))
     for k in range(6):
-        m._queue(_ready(big, f"m{k}", 99.0, 0))
+        q.add(_ready(big, f"m{k}", 99.0, 0))
     for k in range(3):
-        m._queue(_ready(small, f"s{k}", 99.5, None))
-    assert [r.name for r in m._window(4)] == [f"m{k}" for k in range(6)]
+        q.add(_ready(small, f"s{k}", 99.5, None))
+    assert [r.name for r in dispatch_window(q, 4, now[0] - 10.0)] == [f"m{k}" for k in range(6)]
     # behind younger calls of another run it waits (passed over) ...
-    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    q = ReadyQueue()
     for k in range(3):
-        m._queue(_ready(small, f"s{k}", 95.0, None))
+        q.add(_ready(small, f"s{k}", 95.0, None))
     for k in range(6):
-        m._queue(_ready(big, f"m{k}", 99.0, 0))
-    assert [r.name for r in m._window(4)] == ["s0", "s1", "s2"]
+        q.add(_ready(big, f"m{k}", 99.0, 0))
+    assert [r.name for r in dispatch_window(q, 4, now[0] - 10.0)] == ["s0", "s1", "s2"]
     # ... until it has waited `aging_s`; the smaller aged calls before it go first, and
     # it comes first once they are gone
     now[0] = 109.5
-    assert [r.name for r in m._window(4)] == ["s0", "s1", "s2"]
+    assert [r.name for r in dispatch_window(q, 4, now[0] - 10.0)] == ["s0", "s1", "s2"]
     for k in range(3):
-        m._unqueue(small, f"s{k}")
-    m._queue(_ready(small, "late", 109.0, None))
-    assert [r.name for r in m._window(4)] == [f"m{k}" for k in range(6)]
+        q.remove(small, f"s{k}")
+    q.add(_ready(small, "late", 109.0, None))
+    assert [r.name for r in dispatch_window(q, 4, now[0] - 10.0)] == [f"m{k}" for k in range(6)]
 
 
 def _map_reduce(i: int, maps: int, max_tokens: int) -> RunSpec:
@@ -184,21 +185,21 @@ def _echo(prompt: str) -> str:
     return f"<{prompt.split()[-1]}>"
 
 
-def _watch_windows(m: Manager) -> list[tuple[int, list[_Ready], dict[str, _Ready]]]:
-    seen: list[tuple[int, list[_Ready], dict[str, _Ready]]] = []
-    inner = m._window
+def _watch_windows(m: Manager) -> list[tuple[int, list[ReadyCall], dict[str, ReadyCall]]]:
+    seen: list[tuple[int, list[ReadyCall], dict[str, ReadyCall]]] = []
+    inner = m.dispatcher.window
 
-    def window(slots: int) -> list[_Ready]:
-        before = dict(m._pending)
+    def window(slots: int) -> list[ReadyCall]:
+        before = dict(m.queue.calls)
         got = inner(slots)
         seen.append((slots, got, before))
         return got
 
-    m._window = window  # type: ignore[method-assign]
+    m.dispatcher.window = window  # type: ignore[method-assign]
     return seen
 
 
-def _check_windows(seen: list[tuple[int, list[_Ready], dict[str, _Ready]]]) -> None:
+def _check_windows(seen: list[tuple[int, list[ReadyCall], dict[str, ReadyCall]]]) -> None:
     for slots, got, before in seen:
         groups = {(r.run.run_id, r.group) for r in got if r.group is not None}
         for r in before.values():  # every pending member of an offered group is offered
@@ -243,16 +244,16 @@ async def test_a_group_larger_than_max_batch_still_runs() -> None:
 
 def test_a_tenant_with_many_runs_does_not_take_every_slot() -> None:
     now = [100.0]
-    m = Manager({"e": ScriptedEngine()}, config=ManagerConfig(), clock=lambda: now[0])
+    q = ReadyQueue()
     many = [Run(f"a{i}", Program(), "alice", "t:", True, {}, EventLog(f"a{i}"))
             for i in range(8)]
     bob = Run("b", Program(), "bob", "t:", True, {}, EventLog("b"))
     for i, run in enumerate(many):  # alice queued first: 8 runs of 2 calls
         for k in range(2):
-            m._queue(_ready(run, f"c{k}", 99.0 + i * 0.01 + k * 0.001, None))
+            q.add(_ready(run, f"c{k}", 99.0 + i * 0.01 + k * 0.001, None))
     for k in range(4):
-        m._queue(_ready(bob, f"c{k}", 99.5 + k * 0.001, None))
-    window = m._window(8)
+        q.add(_ready(bob, f"c{k}", 99.5 + k * 0.001, None))
+    window = dispatch_window(q, 8, now[0] - 10.0)
     # per run, bob would get 8 // 9 -> 1 slot; per tenant he gets half of them
     assert sum(r.run is bob for r in window) == 4
     assert len(window) == 8

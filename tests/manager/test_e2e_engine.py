@@ -5,7 +5,7 @@ no sharing: fill the rendered prompt (tokenized as one text, as a request-level 
 would send it) into a new context, generate, fill what follows (each segment alone),
 generate the next output. After an output that stopped on a stop string
 with more to generate, it starts a fresh context holding the tokens before the output plus
-the value's tokens: the same rule the manager follows (see manager/execute.py).
+the value's tokens: the same rule the manager follows (see manager/call_task.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 import pytest
 
 from parrot_backend.engine.engine import Engine
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.manager.render import PromptTokenizer
 from parrot_backend.program import InputRef, OutputRef, RunSpec, Text
 

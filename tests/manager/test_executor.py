@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.manager.prefix import Prefix
 from parrot_backend.manager.render import PromptTokenizer, plan_call
 from parrot_backend.manager.runs import RunCancelled, RunClosedError, RunNotFound, VariableFailed

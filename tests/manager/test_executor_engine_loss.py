@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from parrot_backend.contract.errors import EngineUnavailable
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.program import RunSpec
 from parrot_backend.testing.fake_engine import ScriptedEngine
 

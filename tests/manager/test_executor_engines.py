@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.manager.runs import RunCancelled
 from parrot_backend.program import RunSpec
 from parrot_backend.testing.fake_engine import ScriptedEngine
@@ -92,7 +92,7 @@ async def test_a_listener_that_cannot_record_the_end_fails_the_call() -> None:
 
 
 async def test_a_small_run_is_not_held_back_by_a_big_backlog() -> None:
-    from parrot_backend.manager.executor import ManagerConfig
+    from parrot_backend.manager.manager import ManagerConfig
     from parrot_backend.manager.policy import PolicyConfig
 
     gate = asyncio.Event()

@@ -107,7 +107,7 @@ def test_a_program_that_failed_its_check_is_not_kept() -> None:
 
 
 async def test_open_run_adding_calls_leaves_shared_programs_alone() -> None:
-    from parrot_backend.manager.executor import Manager
+    from parrot_backend.manager.manager import Manager
     from parrot_backend.testing.fake_engine import ScriptedEngine
 
     async with Manager({"e0": ScriptedEngine(reply=lambda p: "r")}) as m:

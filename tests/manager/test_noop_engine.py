@@ -7,7 +7,7 @@ import pytest
 
 from parrot_backend.contract.errors import ContextNotFound
 from parrot_backend.contract.sampling import SamplingParams
-from parrot_backend.manager.executor import Manager
+from parrot_backend.manager.manager import Manager
 from parrot_backend.program import RunSpec
 from parrot_backend.testing.fake_engine import NoopEngine
 
@@ -79,7 +79,7 @@ async def test_engine_load_returns_to_zero_after_cancels_and_ends() -> None:
         assert [await m.get(r, "a") for r in ids[2:]] == ["ab", "ab"]
         while m.counts()["running_calls"]:
             await asyncio.sleep(0.01)
-        load = m._load["e0"]
+        load = m.engine_set.load["e0"]
         assert (load.batch, load.tokens, load.latency) == (0, 0, 0)
         assert m.counts()["running_calls"] == 0
         assert all(c.startswith("pfx:") for c in engine.contexts)  # only the hot prefix

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from parrot_backend.manager.executor import ManagerConfig
+from parrot_backend.manager.manager import ManagerConfig
 from parrot_backend.testing.fake_engine import ScriptedEngine
 
 from .native_support import BOB, native_app, run_body, sse_events

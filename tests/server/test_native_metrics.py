@@ -33,7 +33,7 @@ async def test_metrics_count_dispatched_calls_and_shared_prefix_use(tmp_path):
 async def test_new_work_gets_429_while_the_backlog_is_full(tmp_path):
     import asyncio
 
-    from parrot_backend.manager.executor import ManagerConfig
+    from parrot_backend.manager.manager import ManagerConfig
     from parrot_backend.manager.policy import PolicyConfig
     from parrot_backend.server import ServerSettings
     from parrot_backend.testing.fake_engine import ScriptedEngine

@@ -473,7 +473,7 @@ def _map_reduce_spec():
 
 
 async def _run_managed(engines: dict) -> dict[str, str]:
-    from parrot_backend.manager.executor import Manager
+    from parrot_backend.manager.manager import Manager
 
     job = _map_reduce_spec()
     async with Manager(engines) as manager:

@@ -1,6 +1,19 @@
-"""Running one call's plan on an engine: fill, generate each output, fill what follows.
+"""The per-call task: one ready call run on the engine the dispatcher chose.
 
-Contexts: the call gets its own context, forked from a shared prefix context when it has
+`run_call` is the task's whole life: `call_started`; attach the call's shared prefixes
+(`sharing.py`: filled once, pinned while the call runs); make room by evicting idle
+prefixes; run the plan (`CallRunner`); `call_finished`; and always free what it created.
+How it ends:
+
+- the engine errs for this request: the call fails, and everything downstream of it;
+- the engine is gone (`EngineUnavailable`): not the call's fault; the engine is taken out
+  of service and the call, like the others running there, is **requeued** for another;
+- another manager sharing the store holds the call (`RunOwnedElsewhere`): the run is
+  theirs, and this manager **abandons** its copy without recording anything;
+- cancelled (the run was cancelled, the manager stops): it frees and stops.
+
+`CallRunner` runs one call's plan on an engine: fill, generate each output, fill what
+follows. The call gets its own context, forked from a shared prefix context when it has
 one (`parent_id`), so the prefix's KV is shared, never copied or recomputed.
 
 Stop strings: a generation that stops on a stop string leaves the stop text's tokens in
@@ -16,17 +29,30 @@ next segments are filled straight into the generating context.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parrot_backend.contract.engine import EngineClient, TokenDelta
-from parrot_backend.contract.errors import ContextNotFound
+from parrot_backend.contract.errors import ContextNotFound, EngineUnavailable
 from parrot_backend.contract.sampling import SamplingParams
-from parrot_backend.program import GenerationConfig
+from parrot_backend.program import Criterion, GenerationConfig
 
+from .ready_queue import ReadyCall
 from .render import CallPlan, Step
+from .runs import RunOwnedElsewhere
+from .sharing import Attached
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+log = logging.getLogger(__name__)
+
+PRIORITY = {"latency": 0, "throughput": 1}  # engine priority: lower runs first
 
 _ids = itertools.count()
 
@@ -185,3 +211,106 @@ class CallRunner:
             except ContextNotFound:
                 pass
         self.owned.clear()
+
+
+async def run_call(
+    m: Manager, r: ReadyCall, engine_id: str, objective: Criterion, group: int | None
+) -> None:
+    """Run the ready call `r` on `engine_id` to its end (the module doc says which ends)."""
+    run, name = r.run, r.name
+    events = m.transitions
+    priority = PRIORITY[objective]
+    runner = CallRunner(m.engines[engine_id], run.salt, priority, m.tokens.value)
+    keys: list[str] = []
+    error: str | None = None
+    try:
+        started = {"call": name, "engine": engine_id, "objective": objective, "group": group}
+        if m.listeners:
+            await events.emit(run, "call_started", started)
+        else:  # what `emit` does without listeners, without a coroutine
+            run.log.append("call_started", started)
+        # attach first: it pins the prefixes this call uses, so making room for the
+        # rest of the call cannot evict them
+        if r.shared:
+            attached = await m.sharing.attach(
+                engine_id, r.shared, r.plan.prompt, run.salt, priority
+            )
+        else:  # what attach gives for no prefixes, without its coroutine
+            attached = Attached(None, 0)
+        keys = attached.keys
+        if m.sharing.table.has_idle(engine_id):  # make_room's own first test
+            await m.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
+
+        async def on_token(step: Step, delta: TokenDelta) -> None:
+            await events.emit(
+                run,
+                "token",
+                {
+                    "call": name,
+                    "variable": step.output,
+                    "text": delta.text,
+                    "token_id": delta.token_id,
+                },
+            )
+
+        async def on_value(step: Step, value: str) -> None:
+            await events.set_value(run, step.output, value, source="call", call=name)
+
+        known: dict[str, str] = {}  # outputs recovered (a store's resume) are filled
+        values = run.values
+        for o in run.program.calls[name].outputs:
+            if o in values:
+                known[o] = values[o]
+        await runner.run(r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value)
+        finished = {"call": name, "prompt_tokens": len(r.plan.prompt),
+                    "completion_tokens": runner.tokens, "finish_reasons": runner.finishes}
+    except asyncio.CancelledError:
+        await _cleanup(m, runner, engine_id, keys)
+        raise
+    except RunOwnedElsewhere:
+        # another manager sharing the store holds this call: the run is theirs
+        await _cleanup(m, runner, engine_id, keys)
+        run.tasks.pop(name, None)
+        log.info("run %s is run by another manager; dropping it here", run.run_id)
+        await m.abandon(run.run_id)
+        return
+    except EngineUnavailable:
+        # the engine is gone, not the call's fault: retire it and run the call elsewhere
+        await _cleanup(m, runner, engine_id, keys)
+        log.warning("engine %s unavailable; dispatching its calls elsewhere", engine_id)
+        run.tasks.pop(name, None)  # this task ends here: not one for remove_engine to cancel
+        await m.remove_engine(engine_id)
+        events.requeue(run, name)
+        return
+    except Exception as exc:  # an engine error fails this call only
+        error = f"{type(exc).__name__}: {exc}"
+    await _cleanup(m, runner, engine_id, keys)
+    try:
+        if error is None:
+            if m.listeners:
+                await events.emit(run, "call_finished", finished)
+            else:
+                run.log.append("call_finished", finished)
+            run.calls[name].state = "finished"
+            if run.can_finish():  # (without a coroutine when it cannot)
+                await events.maybe_finish(run)
+            return
+    except Exception as exc:  # e.g. a listener that cannot record the end
+        error = f"{type(exc).__name__}: {exc}"
+    try:
+        await events.fail_calls(run, {name: error})
+    except Exception:  # the failure itself cannot be recorded: keep the state honest
+        log.exception("run %s: recording the failure of call %r failed", run.run_id, name)
+        run.calls[name].state, run.calls[name].error = "failed", error
+
+
+async def _cleanup(m: Manager, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
+    """Count the call's tokens, free its contexts and release its prefixes."""
+    m.tokens_generated += runner.tokens
+    runner.tokens = 0
+    try:
+        await runner.free()
+        if keys:
+            await m.sharing.release(engine_id, keys)
+    except EngineUnavailable:  # a dead engine holds nothing any more
+        log.info("engine %s unavailable during cleanup", engine_id)

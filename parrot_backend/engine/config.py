@@ -1,0 +1,67 @@
+"""Engine settings, and how `auto` picks a device, a dtype and an attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model_files import DEFAULT_MODEL
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings; every field has a default that works on a laptop CPU."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: size the pool from memory
+    kv_memory_fraction: float = 0.1  # of available memory, when num_blocks is None
+    kv_memory_max_bytes: int = 1 * GiB  # cap on CPU, where memory is shared with everything
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    prefix_cache: bool = True
+    attention_backend: str = "auto"  # torch on CPU, triton on CUDA (when installed)
+    threads: int | None = None  # CPU threads of torch ops; None: chosen by measuring steps
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto`: CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA, float32 elsewhere; raises ValueError for unknown names."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    """`auto`: triton on CUDA when it is installed, else torch."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return "torch"

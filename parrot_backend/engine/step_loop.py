@@ -1,0 +1,284 @@
+"""The step loop: continuous batching of an engine's requests, one step at a time.
+
+Each iteration asks the scheduler for the step's work (prefill chunks and decode steps
+under a token budget, preempting when blocks run out), binds the grammar states of
+constrained requests, computes the step on the compute thread, and hands each request
+its result: a fill finishes when its tokens have KV, a generation gets its next token
+(`TokenDelta`) and ends on EOS, a stop token or string, its grammar's end, or its length.
+
+Every torch operation of the engines in a process runs on one thread
+(`compute_executor`). A step's inputs are copied out of the contexts before it runs
+(`ModelRunner.prepare`), so a context freed or cancelled meanwhile changes nothing it
+computes. A failing step is retried one sequence at a time (`StepLoop._step`).
+
+`StepLoop` is the part of `Engine` that runs the loop; it uses the engine's scheduler,
+runner, pool, thread tuner, grammar compiler and counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from parrot_backend.contract.engine import TokenDelta
+from parrot_backend.contract.errors import EngineDead, EngineError, StepFailed
+
+from .block_pool import BlockPool
+from .context import Request
+from .grammar import GrammarCompiler, GrammarError
+from .runner import Batch, ModelRunner, StepResult
+from .sampler import grammar_masks
+from .scheduler import Scheduler, Work
+from .threads import ThreadTuner
+
+log = logging.getLogger(__name__)
+
+_compute: ThreadPoolExecutor | None = None
+
+
+def compute_executor() -> ThreadPoolExecutor:
+    """The one thread that runs every torch operation of the engines in this process.
+
+    On CPU, torch parallelises with OpenMP, and each calling thread gets its own team of
+    worker threads. Once two threads have run torch code, the teams outnumber the cores
+    and OpenMP stops spin-waiting: every matmul then wakes threads from sleep and runs
+    about 1.8x slower (measured here on 2 cores), in every thread. Loading and computing
+    on one dedicated thread keeps one team.
+    """
+    global _compute
+    if _compute is None:
+        _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parrot-compute")
+    return _compute
+
+
+class StepLoop:
+    """The batching loop of an `Engine` (see the module doc); `Engine` sets these."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    pool: BlockPool
+    threads: ThreadTuner
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_model_len: int
+    steps: int
+    tokens_computed: int
+    tokens_generated: int
+    error: BaseException | None
+    _grammars: GrammarCompiler | None
+    _wake: asyncio.Event
+    _stopping: bool
+    _fail_at_step: int | None
+
+    def _bind_grammar(self, req: Request) -> None:
+        """Give a constrained request its grammar state when it first runs: the context's
+        own state if it continues one (same constraint, nothing filled since, not finished;
+        a fork's copy of its parent's counts), else a fresh one."""
+        ctx, constraint = req.ctx, req.sampling.constraint
+        state = ctx.grammar
+        if (state is None or state.key != constraint.key or state.end != len(ctx.tokens)
+                or state.stopped):
+            state = self._grammars.start(constraint, len(ctx.tokens))
+            ctx.grammar = state
+        req.sampler.grammar = state
+
+    def _submit(self, req: Request) -> None:
+        req.ctx.queue.append(req)
+        self.scheduler.add(req)
+        self._wake.set()
+
+    def _cancel(self, req: Request) -> None:
+        if req.done:
+            return
+        req.done = True
+        self.scheduler.remove(req)
+        if req in req.ctx.queue:
+            req.ctx.queue.remove(req)
+        if req.future is not None and not req.future.done():
+            req.future.cancel()  # its caller was cancelled: nobody waits for an error
+        self._wake.set()
+
+    def _finish(self, req: Request) -> None:
+        req.done = True
+        self.scheduler.remove(req)
+        if req in req.ctx.queue:
+            req.ctx.queue.remove(req)
+        self._wake.set()  # the next request on this context (or a child) may run now
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if req.done:
+            return
+        self._finish(req)
+        if req.future is not None and not req.future.done():
+            req.future.set_exception(exc)
+        if req.out is not None:
+            req.out.put_nowait(exc)
+
+    async def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                work, finished, failed = self.scheduler.schedule()
+                for req in finished:
+                    self._finish(req)
+                    req.future.set_result(len(req.ctx.tokens))
+                for req, exc in failed:
+                    self._fail(req, exc)
+                if not work:
+                    if finished or failed:
+                        continue
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if self._fail_at_step is not None and self.steps >= self._fail_at_step:
+                    raise RuntimeError(f"injected fault at step {self.steps}")
+                work = self._bind_grammars(work)
+                self._postprocess(work, await self._step(work))
+        except Exception as exc:  # a device failure or a bug: no request is at fault
+            log.exception("engine loop died")
+            self.error = exc
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._fail(req, EngineDead(f"engine failed: {exc!r}"))
+
+    def _bind_grammars(self, work: list[Work]) -> list[Work]:
+        """Bind the grammar states of constrained requests starting in this step (on the loop
+        thread, between steps: the compute thread never sees a state change under it)."""
+        keep = work
+        for w in work:
+            req = w.req
+            if req.sampler is None or req.sampler.grammar is not None:
+                continue
+            if req.sampling.constraint is None:
+                continue
+            try:
+                self._bind_grammar(req)
+            except GrammarError as exc:  # evicted from the cache and now refused: unlikely
+                self._fail(req, exc)
+                keep = [x for x in keep if x.req is not req]
+        return keep
+
+    async def _step(self, work: list[Work]) -> list[StepResult]:
+        """Compute one step; returns each sequence's token, error or nothing.
+
+        The step's inputs are copied out of the contexts before it runs (`prepare`), so a
+        context freed or cancelled while it runs changes nothing it computes. A forward
+        pass that fails is retried one sequence at a time: a request that breaks it fails
+        alone (`StepFailed`) and the others go on. When every sequence fails alone too,
+        a probe of the device decides: if the device is broken the loop dies (requests
+        end with `EngineDead` and the manager keeps their calls), else the requests fail.
+        """
+        loop = asyncio.get_running_loop()
+        runner = self.runner
+        try:
+            return await loop.run_in_executor(compute_executor(), self._compute,
+                                              runner.prepare(work))
+        except Exception as exc:
+            log.warning("a step of %d sequence(s) failed (%r); retrying them one by one",
+                        len(work), exc)
+        results: list[StepResult] = []
+        for w in work:
+            if w.req.done or w.req.ctx.freed:  # cancelled or freed meanwhile: nothing to do
+                results.append(None)
+                continue
+            try:
+                results.extend(await loop.run_in_executor(
+                    compute_executor(), self._compute, runner.prepare([w])))
+            except Exception as exc:
+                results.append(StepFailed(f"computing this request failed: {exc!r}"))
+        if all(isinstance(r, BaseException) for r in results):
+            await loop.run_in_executor(compute_executor(), self._probe_device)
+        return results
+
+    def _compute(self, batch: Batch) -> list[StepResult]:
+        """One step on the compute thread, with the thread count the tuner picks."""
+        constrained = [s for s in batch.samplers if s is not None and s.grammar is not None]
+        if constrained:  # one bitmask for every constrained row of the step
+            masks = grammar_masks([s.grammar for s in constrained], self.vocab_size)
+            for sampler, mask in zip(constrained, masks, strict=True):
+                sampler.banned = mask
+        threads = self.threads.before_step()
+        began = time.perf_counter()
+        out = self.runner.execute(batch)
+        self.threads.after_step(threads, time.perf_counter() - began, len(batch.ids))
+        return out
+
+    def _probe_device(self) -> None:
+        """Raise if the device itself is broken (a CUDA error poisons every later op)."""
+        x = torch.ones(8, device=self.device, dtype=self.dtype)
+        if float((x * 2).sum().item()) != 16.0:
+            raise EngineError("device probe computed a wrong result")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _postprocess(self, work: list[Work], sampled: list[StepResult]) -> None:
+        self.steps += 1
+        bs = self.pool.block_size
+        for w, token in zip(work, sampled, strict=True):
+            req, ctx = w.req, w.req.ctx
+            if isinstance(token, BaseException):
+                # this request's computation failed (the step ran without it): its KV is
+                # not trusted, so nothing is marked computed
+                if not isinstance(token, EngineError):
+                    token = StepFailed(f"sampling this request failed: {token!r}")
+                self._fail(req, token)
+                continue
+            self.tokens_computed += w.n
+            if ctx.freed:
+                continue
+            before = ctx.num_computed
+            ctx.num_computed = w.start + w.n
+            for k in range(before // bs, ctx.num_computed // bs):
+                # publish blocks that just became full for the token-level prefix cache
+                self.pool.register(
+                    ctx.blocks[k], ctx.block_hash(k), tuple(ctx.tokens[k * bs : (k + 1) * bs])
+                )
+            if req.done:
+                continue  # cancelled while the step ran
+            if req.kind == "fill":
+                if req.pending == 0:
+                    self._finish(req)
+                    req.future.set_result(len(ctx.tokens))
+                continue
+            if token is None:
+                continue
+            self._emit(req, token)
+
+    def _emit(self, req: Request, token: int) -> None:
+        ctx, p = req.ctx, req.sampling
+        req.generated += 1
+        self.tokens_generated += 1
+        finish = None
+        grammar = req.sampler.grammar
+        if token in req.eos_ids or token in p.stop_token_ids:
+            text = req.detok.flush()
+            finish = "stop"
+        else:
+            ctx.tokens.append(token)
+            text = req.detok.add(token)
+            if grammar is not None:
+                try:
+                    grammar.consume(token)
+                except GrammarError as exc:
+                    self._fail(req, exc)
+                    return
+                grammar.end = len(ctx.tokens)
+            if req.detok.stopped:
+                finish = "stop"
+            elif grammar is not None and grammar.stopped:
+                text += req.detok.flush()
+                finish = "stop"  # the grammar allows nothing more: done without an EOS step
+            elif req.generated >= p.max_tokens or len(ctx.tokens) >= self.max_model_len:
+                if grammar is not None and p.constraint.require_complete and not grammar.accepting:
+                    self._fail(req, GrammarError(
+                        f"the {p.constraint.kind} constraint was not complete after "
+                        f"{req.generated} tokens (max_tokens={p.max_tokens}); raise max_tokens"))
+                    return
+                text += req.detok.flush()
+                finish = "length"
+        if finish is not None:
+            self._finish(req)
+        req.out.put_nowait(TokenDelta(token, text, finish))

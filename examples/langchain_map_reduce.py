@@ -35,18 +35,25 @@ DOCUMENTS = [
     "Lanterns were lit with oil or candles for centuries before electric light. Sailors, "
     "miners and watchmen carried them to see at night.",
 ]
-INSTRUCTIONS = ("You summarise documents for a busy reader. Keep only the main point, in "
-                "one sentence, without a preamble.")
+INSTRUCTIONS = (
+    "You summarise documents for a busy reader. Keep only the main point, in "
+    "one sentence, without a preamble."
+)
 
 
 def build(chat: ChatParrot):
-    summarise = (ChatPromptTemplate.from_messages(
-        [("system", INSTRUCTIONS), ("human", "Document:\n{doc}")]) | chat | StrOutputParser())
-    mapped = RunnableParallel({f"s{i}": itemgetter(f"doc{i}") | summarise
-                               for i in range(len(DOCUMENTS))})
+    summarise = (
+        ChatPromptTemplate.from_messages([("system", INSTRUCTIONS), ("human", "Document:\n{doc}")])
+        | chat
+        | StrOutputParser()
+    )
+    mapped = RunnableParallel(
+        {f"s{i}": itemgetter(f"doc{i}") | summarise for i in range(len(DOCUMENTS))}
+    )
     joined = "\n".join(f"- {{s{i}}}" for i in range(len(DOCUMENTS)))
     reduce = ChatPromptTemplate.from_messages(
-        [("system", INSTRUCTIONS), ("human", "Combine these summaries:\n" + joined)])
+        [("system", INSTRUCTIONS), ("human", "Combine these summaries:\n" + joined)]
+    )
     return mapped | reduce | chat | StrOutputParser()
 
 
@@ -57,12 +64,12 @@ def main() -> None:
     args = ap.parse_args()
     sent = []
     client = httpx.Client(event_hooks={"request": [sent.append]})
-    chat = ChatParrot(base_url=args.url, temperature=0, max_tokens=args.max_tokens,
-                      http_client=client)
+    chat = ChatParrot(
+        base_url=args.url, temperature=0, max_tokens=args.max_tokens, http_client=client
+    )
     chain = build(chat)
     inputs = {f"doc{i}": d for i, d in enumerate(DOCUMENTS)}
-    print(f"map-reduce over {len(DOCUMENTS)} documents, greedy, {args.max_tokens} tokens "
-          "per step")
+    print(f"map-reduce over {len(DOCUMENTS)} documents, greedy, {args.max_tokens} tokens per step")
     start = time.perf_counter()
     plain = chain.invoke(inputs)
     plain_s = time.perf_counter() - start
@@ -71,8 +78,9 @@ def main() -> None:
     start = time.perf_counter()
     fast = compiled.invoke(inputs)
     fast_s = time.perf_counter() - start
-    print(f"\ncompiled chain: {compiled.last_requests} request(s), {fast_s:.1f} s\n"
-          f"  {fast.strip()}")
+    print(
+        f"\ncompiled chain: {compiled.last_requests} request(s), {fast_s:.1f} s\n  {fast.strip()}"
+    )
     print(f"\nsame output: {fast == plain}; {plain_s / fast_s:.2f}x the plain chain's speed")
 
 

@@ -1,0 +1,236 @@
+"""Running one workload once: whole program (`parrot`) or call by call (`request-level`).
+
+Both modes talk HTTP to one `serve` process and record the same things: JCT (client's
+start to the last awaited value, round trips included), per-call TTFT (first token minus
+the moment the call's inputs existed on the side that sends it), per-call latency per
+generated token, tokens generated, the prompts as rendered (for prefill accounting) and
+the engine's counters before and after (`/bench/engine`, see `serve.py`).
+
+The simulated client round trip `rtt` is paid half on the way in and half on the way out
+of every request the client waits on: once per program in parrot mode, once per call in
+request-level mode (a LangChain app sends each dependent call after its inputs return).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime
+
+import httpx
+
+from .workloads import Workload
+
+
+def _at(stamp: str | None) -> float | None:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+
+
+async def engine_counters(http: httpx.AsyncClient) -> dict:
+    r = await http.get("/bench/engine")
+    return r.json() if r.status_code == 200 else {}
+
+
+def counter_delta(before: dict, after: dict, calls: int) -> dict:
+    """Prefill tokens the engine computed in a window: every computed token that is not
+    the KV of a sampled token (a call of G tokens computes its prompt plus G - 1 more)."""
+    if not before or not after:
+        return {}
+    d = {
+        k: after[k] - before[k]
+        for k in (
+            "tokens_computed",
+            "tokens_generated",
+            "prefix_cache_hits",
+            "prefix_cache_queries",
+            "steps",
+            "preemptions",
+        )
+    }
+    d["prefill_computed"] = d["tokens_computed"] - max(0, d["tokens_generated"] - calls)
+    return d
+
+
+async def _settle(http: httpx.AsyncClient) -> dict:
+    """The engine's counters once it is idle (contexts freed after a run may still step)."""
+    last = await engine_counters(http)
+    for _ in range(50):
+        if not last or (last.get("running", 0) == 0 and last.get("waiting", 0) == 0):
+            return last
+        await asyncio.sleep(0.05)
+        last = await engine_counters(http)
+    return last
+
+
+async def run_parrot(http: httpx.AsyncClient, wl: Workload, rtt: float) -> dict:
+    """Submit the whole program; wait for every awaited output (long polls in parallel)."""
+    before = await _settle(http)
+    body = {
+        "program": {"calls": [c.spec() for c in wl.calls]},
+        "inputs": wl.inputs,
+        "outputs": dict.fromkeys(wl.outputs, wl.criterion),
+    }
+    start = time.time()
+    await asyncio.sleep(rtt / 2)
+    r = await http.post("/v1/runs", json=body)
+    r.raise_for_status()
+    run_id = r.json()["run_id"]
+
+    async def wait(name: str) -> None:
+        while True:
+            v = await http.get(
+                f"/v1/runs/{run_id}/variables/{name}",
+                params={"perf": wl.criterion, "timeout": 120},
+                timeout=130,
+            )
+            if v.status_code == 408:
+                continue
+            v.raise_for_status()
+            if v.json()["status"] != "ready":
+                raise RuntimeError(f"{name}: {v.json().get('error')}")
+            return
+
+    await asyncio.gather(*(wait(o) for o in wl.outputs))
+    await asyncio.sleep(rtt / 2)
+    jct = time.time() - start
+    for _ in range(100):  # call records are written just after their values
+        detail = (await http.get(f"/v1/runs/{run_id}")).json()
+        if all(c["finished_at"] for c in detail["calls"]):
+            break
+        await asyncio.sleep(0.05)
+    after = await _settle(http)
+    values = {k: v["value"] for k, v in detail["variables"].items()}
+    ready = {k: _at(v["set_at"]) for k, v in detail["variables"].items()}
+    created = _at(detail["run"]["created_at"])
+    calls = []
+    for spec, c in zip(wl.calls, detail["calls"], strict=True):
+        avail = max([created] + [ready[i] for i in spec.inputs if i not in wl.inputs])
+        first, done = _at(c["first_token_at"]), _at(c["finished_at"])
+        calls.append(
+            {
+                "name": spec.name,
+                "ready": avail - start,
+                "ttft": first - avail,
+                "latency": done - avail,
+                "tokens": c["completion_tokens"] or 0,
+                "prompt": spec.render(values),
+                "output": values[spec.output],
+                "start_offset": avail - start,
+                "end": done - start,
+            }
+        )
+    return {
+        "jct": jct,
+        "calls": calls,
+        "engine": counter_delta(before, after, len(calls)),
+        "run_id": run_id,
+    }
+
+
+async def run_request_level(http: httpx.AsyncClient, wl: Workload, rtt: float, model: str) -> dict:
+    """Each call to `/v1/completions` (streamed) once its inputs are back at the client,
+    independent calls concurrently."""
+    before = await _settle(http)
+    loop = asyncio.get_running_loop()
+    values: dict[str, asyncio.Future] = {}
+    for name, value in wl.inputs.items():
+        values[name] = loop.create_future()
+        values[name].set_result(value)
+    for c in wl.calls:
+        values[c.output] = loop.create_future()
+    start = time.time()
+    records: dict[str, dict] = {}
+
+    async def one(call) -> None:
+        got = {i: await values[i] for i in call.inputs}
+        avail = time.time()
+        prompt = call.render(got)
+        await asyncio.sleep(rtt / 2)
+        sent = time.time()
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": call.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        text, first, usage = [], None, {}
+        async with http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{call.name}: {r.status_code} {(await r.aread())[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"{call.name}: {chunk['error']}")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    if choice.get("text"):
+                        first = first or time.time()
+                        text.append(choice["text"])
+        done = time.time()
+        await asyncio.sleep(rtt / 2)
+        records[call.name] = {
+            "name": call.name,
+            "ready": avail - start,
+            "ttft": (first or done) - sent,
+            "latency": done - sent,
+            "tokens": usage.get("completion_tokens", 0),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "prompt": prompt,
+            "output": "".join(text),
+            "start_offset": sent - start,
+            "end": done - start,
+        }
+        values[call.output].set_result("".join(text))
+
+    await asyncio.gather(*(one(c) for c in wl.calls))
+    await asyncio.gather(*(values[o] for o in wl.outputs))
+    jct = time.time() - start
+    after = await _settle(http)
+    calls = [records[c.name] for c in wl.calls]
+    return {"jct": jct, "calls": calls, "engine": counter_delta(before, after, len(calls))}
+
+
+async def calibrate(http: httpx.AsyncClient, model: str, prompt: str, reps: int = 2) -> dict:
+    """The engine's own speed, alone: prefill tokens/s on a long unique prompt (one
+    token generated) and the decode step time at batch 1 (streamed, 32 tokens)."""
+    best_rate, best_step, n_prompt = 0.0, float("inf"), 0
+    warm = {"model": model, "prompt": prompt[: len(prompt) // 2], "max_tokens": 4}
+    await http.post("/v1/completions", json=warm, timeout=600)  # first-use costs
+    for rep in range(reps):
+        body = {
+            "model": model,
+            "prompt": f"[{rep}:{time.time()}] " + prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        t = time.perf_counter()
+        r = await http.post("/v1/completions", json=body, timeout=600)
+        took = time.perf_counter() - t
+        n_prompt = r.json()["usage"]["prompt_tokens"]
+        best_rate = max(best_rate, n_prompt / took)
+        body = {
+            "model": model,
+            "prompt": f"Count slowly ({rep}):",
+            "max_tokens": 32,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        stamps = []
+        async with http.stream("POST", "/v1/completions", json=body, timeout=600) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+        if len(stamps) > 2:
+            best_step = min(best_step, (stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {
+        "prefill_tokens_per_s": best_rate,
+        "decode_step_s": best_step,
+        "calibration_prompt_tokens": n_prompt,
+    }

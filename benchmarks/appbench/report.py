@@ -1,0 +1,271 @@
+"""From run records to figures: prefill accounting, lower bounds, ratios, table, plots."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+MODES = ("parrot", "request-level")
+
+
+def load_tokenizer(model: str | None):
+    """SmolLM2's (or `model`'s) tokenizer, to count prompt tokens; None if unavailable."""
+    try:
+        from tokenizers import Tokenizer
+
+        if model and Path(model, "tokenizer.json").exists():
+            return Tokenizer.from_file(str(Path(model, "tokenizer.json")))
+        from parrot_backend.engine.model_files import resolve_model
+
+        return Tokenizer.from_file(str(resolve_model(model, progress=False) / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - accounting is optional, timings are not
+        return None
+
+
+def prefill_accounting(tok, prompts: list[str]) -> dict:
+    """Prompt tokens as sent (logical) and distinct prefix tokens (a trie over them: what a
+    perfect prefix cache must still compute)."""
+    if tok is None:
+        return {}
+    ids = [e.ids for e in tok.encode_batch(prompts, add_special_tokens=False)]
+    root: dict = {}
+    unique = 0
+    for seq in ids:
+        node = root
+        for t in seq:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                unique += 1
+            node = nxt
+    return {"logical": sum(len(s) for s in ids), "unique": unique}
+
+
+def critical_tokens(wl, calls: list[dict]) -> int:
+    """Generated tokens along the DAG's longest dependency chain."""
+    by_output = {c.output: (c, r) for c, r in zip(wl.calls, calls, strict=True)}
+    memo: dict[str, int] = {}
+
+    def depth(name: str) -> int:
+        if name not in by_output:
+            return 0
+        if name not in memo:
+            c, r = by_output[name]
+            memo[name] = r["tokens"] + max([depth(i) for i in c.inputs] or [0])
+        return memo[name]
+
+    return max(depth(o) for o in wl.outputs)
+
+
+def summarise_run(wl, run: dict, tok) -> dict:
+    calls = run["calls"]
+    gen = sum(c["tokens"] for c in calls)
+    acct = prefill_accounting(tok, [c["prompt"] for c in calls])
+    out = {
+        "jct": run["jct"],
+        "ttft_mean": statistics.mean(c["ttft"] for c in calls),
+        "ttft_max": max(c["ttft"] for c in calls),
+        "norm_latency": statistics.mean(c["latency"] / max(1, c["tokens"]) for c in calls),
+        "tokens": gen,
+        "throughput": gen / run["jct"],
+        "critical_tokens": critical_tokens(wl, calls),
+        "prompt_tokens": acct.get("logical"),
+        "unique_prompt_tokens": acct.get("unique"),
+        "last_start": max(c["start_offset"] for c in calls),
+    }
+    eng = run.get("engine") or {}
+    if eng:
+        out["prefill_computed"] = eng["prefill_computed"]
+        out["cache_hit_tokens"] = eng["prefix_cache_hits"]
+        if out["prompt_tokens"] is not None:
+            out["prefill_saved"] = out["prompt_tokens"] - eng["prefill_computed"]
+    return out
+
+
+def _median(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """One row per (phase, workload): medians over repetitions, the ratio, the bound."""
+    rows = []
+    keys = sorted({(r["phase"], r["workload"]) for r in records}, key=lambda k: (k[1], k[0]))
+    for phase, workload in keys:
+        row = {"phase": phase, "workload": workload}
+        for mode in MODES:
+            mine = [
+                r["summary"]
+                for r in records
+                if (r["phase"], r["workload"], r["mode"]) == (phase, workload, mode)
+            ]
+            for key in (
+                "jct",
+                "ttft_mean",
+                "ttft_max",
+                "norm_latency",
+                "throughput",
+                "prefill_computed",
+                "prompt_tokens",
+                "prefill_saved",
+                "tokens",
+                "last_start",
+                "unique_prompt_tokens",
+                "critical_tokens",
+            ):
+                row[f"{mode}.{key}"] = _median(mine, key)
+            row[f"{mode}.reps"] = len(mine)
+        p, q = row["parrot.jct"], row["request-level.jct"]
+        row["ratio"] = q / p if p and q else None
+        cal = next((r["calibration"] for r in records if r["phase"] == phase), None)
+        uniq, crit = row["parrot.unique_prompt_tokens"], row["parrot.critical_tokens"]
+        if cal and uniq is not None and crit is not None:
+            row["lower_bound"] = uniq / cal["prefill_tokens_per_s"] + crit * cal["decode_step_s"]
+            row["parrot_over_bound"] = p / row["lower_bound"] if p else None
+        rows.append(row)
+    return rows
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| workload | engine prefix cache | parrot JCT s | request-level JCT s | ratio | "
+        "parrot TTFT s | req-level TTFT s | prefill computed parrot / req-level "
+        "(logical) | lower bound s | parrot / bound |"
+    )
+    lines = [head, "|" + " --- |" * 10]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['phase']} | {_f(r['parrot.jct'])} | "
+            f"{_f(r['request-level.jct'])} | **{_f(r['ratio'])}x** | "
+            f"{_f(r['parrot.ttft_mean'])} | {_f(r['request-level.ttft_mean'])} | "
+            f"{_f(r['parrot.prefill_computed'], '{:.0f}')} / "
+            f"{_f(r['request-level.prefill_computed'], '{:.0f}')} "
+            f"({_f(r['request-level.prompt_tokens'], '{:.0f}')}) | "
+            f"{_f(r.get('lower_bound'))} | {_f(r.get('parrot_over_bound'))}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+GOALS = [
+    ("shared_prompt", "off", 4.0),
+    ("shared_prompt", "on", 3.0),
+    ("multi_agent", "on", 2.0),
+    ("chain_summary", "on", 1.3),
+]
+
+
+def goals(rows: list[dict]) -> str:
+    lines = ["| goal | measured | met |", "| --- | --- | --- |"]
+    find = {(r["workload"], r["phase"]): r for r in rows}
+    for wl, phase, want in GOALS:
+        r = find.get((wl, phase))
+        got = r and r["ratio"]
+        lines.append(
+            f"| {wl}, cache {phase}: >= {want}x | {_f(got)}x | "
+            f"{'-' if got is None else ('yes' if got >= want else 'no')} |"
+        )
+    for r in rows:
+        if r["ratio"] is not None:
+            lines.append(
+                f"| {r['workload']}, cache {r['phase']}: never slower | "
+                f"{_f(r['ratio'])}x | {'yes' if r['ratio'] >= 1 else 'no'} |"
+            )
+        if r.get("parrot_over_bound") is not None:
+            ob = r["parrot_over_bound"]
+            lines.append(
+                f"| {r['workload']}, cache {r['phase']}: within 1.5x of bound | "
+                f"{_f(ob)}x | {'yes' if ob <= 1.5 else 'no'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out: Path) -> list[str]:
+    """jct.png (JCT per workload and mode, lower bound marked) and prefill.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    labels = [f"{r['workload']}\ncache {r['phase']}" for r in rows]
+    x = range(len(rows))
+    made = []
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    w = 0.38
+    ax.bar([i - w / 2 for i in x], [r["parrot.jct"] or 0 for r in rows], w, label="parrot")
+    ax.bar(
+        [i + w / 2 for i in x],
+        [r["request-level.jct"] or 0 for r in rows],
+        w,
+        label="request-level",
+    )
+    lb = [(i, r["lower_bound"]) for i, r in zip(x, rows, strict=True) if r.get("lower_bound")]
+    if lb:
+        ax.scatter(
+            [i - w / 2 for i, _ in lb],
+            [v for _, v in lb],
+            marker="_",
+            s=400,
+            color="black",
+            label="lower bound",
+            zorder=3,
+        )
+    for i, r in zip(x, rows, strict=True):
+        if r["ratio"]:
+            top = max(r["parrot.jct"], r["request-level.jct"])
+            ax.text(i, top * 1.02, f"{r['ratio']:.2f}x", ha="center", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("job completion time (s)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "jct.png", dpi=110)
+    plt.close(fig)
+    made.append("jct.png")
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    ax.bar(
+        [i - w / 2 for i in x],
+        [r["parrot.prefill_computed"] or 0 for r in rows],
+        w,
+        label="parrot: computed",
+    )
+    ax.bar(
+        [i + w / 2 for i in x],
+        [r["request-level.prefill_computed"] or 0 for r in rows],
+        w,
+        label="request-level: computed",
+    )
+    ax.scatter(
+        list(x),
+        [r["request-level.prompt_tokens"] or 0 for r in rows],
+        marker="_",
+        s=600,
+        color="black",
+        label="prompt tokens sent",
+        zorder=3,
+    )
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("prefill tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "prefill.png", dpi=110)
+    plt.close(fig)
+    made.append("prefill.png")
+    return made
+
+
+def write(out: Path, meta: dict, records: list[dict]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = aggregate(records)
+    (out / "results.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "runs": records}, indent=1, default=str)
+    )
+    text = f"Command: `{meta['command']}`\n\n" + table(rows) + "\n" + goals(rows)
+    (out / "table.md").write_text(text)
+    plots = plot(rows, out)
+    return {"rows": rows, "table": text, "plots": plots}

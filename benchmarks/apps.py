@@ -1,0 +1,228 @@
+"""The paper's applications, parrot vs request-level, side by side on one server.
+
+    .venv/bin/python benchmarks/apps.py                 # CPU sizes, both cache settings
+    .venv/bin/python benchmarks/apps.py --quick         # seconds: tiny sizes, 1 repetition
+    .venv/bin/python benchmarks/apps.py --url http://127.0.0.1:8000   # a running server
+
+For each engine prefix-cache setting (`on`, then `off`) the harness starts
+`benchmarks/appbench/serve.py` (the real `parrot-backend serve` plus counters), measures
+the engine's own prefill rate and decode step time (for the lower bound), then runs every
+workload in both modes, alternating parrot / request-level `--reps` times, each run with
+texts of its own (no run can hit another's cache). Modes:
+
+- `parrot`: the whole program in one `POST /v1/runs`, every awaited output `latency`;
+- `request-level`: each call to `/v1/completions` (streamed) when its inputs are back at
+  the client, independent calls concurrently, as a LangChain app issues them.
+
+A simulated client round trip (`--rtt`, default 0.25 s) is paid once per program and once
+per request. Results go to `--out` (default `benchmarks/results/apps`): `results.json`,
+`table.md` (the table and the goals of issue 16) and `jct.png`, `prefill.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from appbench import modes, report, texts, workloads  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def start_server(
+    port: int, cache: bool, model: str | None, log: Path, extra: list[str]
+) -> subprocess.Popen:
+    data = tempfile.mkdtemp(prefix="appbench-")
+    cmd = [
+        sys.executable,
+        str(HERE / "appbench" / "serve.py"),
+        "--port",
+        str(port),
+        "--data-dir",
+        data,
+        *([] if cache else ["--no-prefix-cache"]),
+        *(["--model", model] if model else []),
+        *extra,
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"server did not start in 600 s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _slim(run: dict) -> dict:
+    calls = [
+        {k: (v[:200] if k == "output" else v) for k, v in c.items() if k != "prompt"}
+        for c in run["calls"]
+    ]
+    return {**{k: v for k, v in run.items() if k != "calls"}, "calls": calls}
+
+
+async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
+    records = []
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600, trust_env=False, limits=httpx.Limits(max_connections=256)
+    ) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        bar.set_description(f"{phase}: calibrating")
+        cal_tokens = 160 if args.quick else 1000
+        cal = await modes.calibrate(
+            http, model, texts.document(99_999, cal_tokens), reps=2 if args.quick else 3
+        )
+        for name in args.workloads:
+            for rep in range(args.reps):
+                order = workloads_order(rep)
+                for mi, mode in enumerate(order):
+                    seed = (
+                        args.seed
+                        + 1000 * (1 + list(workloads.BUILDERS).index(name))
+                        + 10 * rep
+                        + mi
+                        + (500 if phase == "off" else 0)
+                    )
+                    wl = workloads.build(name, seed, quick=args.quick)
+                    bar.set_description(f"cache {phase}: {name} {mode} #{rep + 1}")
+                    if mode == "parrot":
+                        run = await modes.run_parrot(http, wl, args.rtt)
+                    else:
+                        run = await modes.run_request_level(http, wl, args.rtt, model)
+                    summary = report.summarise_run(wl, run, tok)
+                    records.append(
+                        {
+                            "phase": phase,
+                            "workload": name,
+                            "mode": mode,
+                            "rep": rep,
+                            "seed": seed,
+                            "info": wl.info,
+                            "calibration": cal,
+                            "summary": summary,
+                            "run": _slim(run),
+                        }
+                    )
+                    bar.set_postfix_str(f"{mode} {summary['jct']:.1f}s")
+                    bar.update(1)
+    return records
+
+
+def workloads_order(rep: int) -> tuple[str, str]:
+    """Alternate which mode goes first, so drift on a shared machine hits both."""
+    return ("parrot", "request-level") if rep % 2 == 0 else ("request-level", "parrot")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (CI)")
+    ap.add_argument(
+        "--model", help="model for the servers the harness starts (default SmolLM2-135M-Instruct)"
+    )
+    ap.add_argument("--url", help="use this running server instead (one phase, its cache)")
+    ap.add_argument(
+        "--workloads", nargs="+", default=list(workloads.BUILDERS), choices=list(workloads.BUILDERS)
+    )
+    ap.add_argument(
+        "--cache",
+        nargs="+",
+        default=["on", "off"],
+        choices=["on", "off"],
+        help="engine prefix-cache settings to run (one server each)",
+    )
+    ap.add_argument("--reps", type=int, help="repetitions per mode (default 2; --quick 1)")
+    ap.add_argument("--rtt", type=float, default=0.25, help="simulated client round trip, s")
+    ap.add_argument("--port", type=int, default=8310)
+    ap.add_argument(
+        "--seed",
+        type=int,
+        help="base seed of the texts (default 0; with --url "
+        "the clock, so a reused server's caches hold none of them)",
+    )
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "apps")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for the servers (repeatable), e.g. "
+        "--server-arg=--latency-capacity --server-arg=64",
+    )
+    args = ap.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 2)
+    if args.seed is None:
+        args.seed = int(time.time()) * 10_000 if args.url else 0
+    command = "python benchmarks/apps.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    tok = report.load_tokenizer(args.model)
+    phases = ["external"] if args.url else args.cache
+    total = len(phases) * len(args.workloads) * args.reps * 2
+    records: list[dict] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    began = time.time()
+    with tqdm(total=total, unit="run", file=sys.stderr) as bar:
+        for phase in phases:
+            if args.url:
+                records += asyncio.run(run_phase(args.url, phase, args, tok, bar))
+                continue
+            bar.set_description(f"cache {phase}: starting server")
+            proc = start_server(
+                args.port,
+                phase == "on",
+                args.model,
+                args.out / f"server-cache-{phase}.log",
+                args.server_arg,
+            )
+            try:
+                records += asyncio.run(
+                    run_phase(f"http://127.0.0.1:{args.port}", phase, args, tok, bar)
+                )
+            finally:
+                stop_server(proc)
+    meta = {
+        "command": command,
+        "rtt": args.rtt,
+        "reps": args.reps,
+        "quick": args.quick,
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "seconds": time.time() - began,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    result = report.write(args.out, meta, records)
+    print(result["table"])
+    print(
+        f"written to {args.out}: results.json, table.md"
+        + "".join(f", {p}" for p in result["plots"])
+        + f" ({meta['seconds']:.0f} s)"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -113,10 +113,12 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
                     )
                     wl = workloads.build(name, seed, quick=args.quick)
                     bar.set_description(f"cache {phase}: {name} {mode} #{rep + 1}")
+                    mark = await modes.step_mark(http)
                     if mode == "parrot":
                         run = await modes.run_parrot(http, wl, args.rtt)
                     else:
                         run = await modes.run_request_level(http, wl, args.rtt, model)
+                    run["steps"] = await modes.step_summary(http, mark)
                     summary = report.summarise_run(wl, run, tok)
                     records.append(
                         {

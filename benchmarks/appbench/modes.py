@@ -52,6 +52,36 @@ def counter_delta(before: dict, after: dict, calls: int) -> dict:
     return d
 
 
+async def step_mark(http: httpx.AsyncClient) -> int | None:
+    """Index of the next engine step record (`/bench/steps`), None without the route."""
+    r = await http.get("/bench/steps", params={"after": 2**62})
+    return r.json()["next"] if r.status_code == 200 else None
+
+
+async def step_summary(http: httpx.AsyncClient, mark: int | None) -> dict:
+    """Where the engine's time went since `mark`: busy time in steps with prefill tokens
+    and in pure decode steps, step counts, the mean decode batch."""
+    if mark is None:
+        return {}
+    steps = (await http.get("/bench/steps", params={"after": mark})).json()["steps"]
+    if not steps:
+        return {}
+    pre = [s for s in steps if s["prefill"] > 0]
+    dec = [s for s in steps if s["prefill"] == 0]
+    return {
+        "steps": len(steps),
+        "busy_s": sum(s["dt"] for s in steps),
+        "prefill_steps": len(pre),
+        "prefill_s": sum(s["dt"] for s in pre),
+        "prefill_tokens": sum(s["prefill"] for s in pre),
+        "decode_steps": len(dec),
+        "decode_s": sum(s["dt"] for s in dec),
+        "decode_batch_mean": (sum(s["decode"] for s in dec) / len(dec)) if dec else None,
+        "span_s": steps[-1]["t"] + steps[-1]["dt"] - steps[0]["t"],
+        "threads_min": min((s["threads"] for s in steps if s.get("threads")), default=None),
+    }
+
+
 async def _settle(http: httpx.AsyncClient) -> dict:
     """The engine's counters once it is idle (contexts freed after a run may still step)."""
     last = await engine_counters(http)

@@ -74,6 +74,12 @@ def summarise_run(wl, run: dict, tok) -> dict:
         "unique_prompt_tokens": acct.get("unique"),
         "last_start": max(c["start_offset"] for c in calls),
     }
+    steps = run.get("steps") or {}
+    if steps:
+        out["engine_busy"] = steps["busy_s"] / run["jct"]
+        out["prefill_s"] = steps["prefill_s"]
+        out["decode_s"] = steps["decode_s"]
+        out["decode_batch_mean"] = steps["decode_batch_mean"]
     eng = run.get("engine") or {}
     if eng:
         out["prefill_computed"] = eng["prefill_computed"]
@@ -112,6 +118,10 @@ def aggregate(records: list[dict]) -> list[dict]:
                 "tokens",
                 "last_start",
                 "unique_prompt_tokens",
+                "engine_busy",
+                "prefill_s",
+                "decode_s",
+                "decode_batch_mean",
                 "critical_tokens",
             ):
                 row[f"{mode}.{key}"] = _median(mine, key)
@@ -148,6 +158,29 @@ def table(rows: list[dict]) -> str:
             f"({_f(r['request-level.prompt_tokens'], '{:.0f}')}) | "
             f"{_f(r.get('lower_bound'))} | {_f(r.get('parrot_over_bound'))}x |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def time_table(rows: list[dict]) -> str:
+    """Where the time goes: the engine's busy share of the JCT, its time in steps with
+    prefill and in pure decode steps, the mean decode batch, when the last call started."""
+    if not any(r.get("parrot.prefill_s") is not None for r in rows):
+        return ""
+    lines = [
+        "| workload | cache | mode | JCT s | engine busy | prefill steps s | decode steps s"
+        " | decode batch | last call sent at s |",
+        "|" + " --- |" * 9,
+    ]
+    for r in rows:
+        for mode in MODES:
+            busy = r.get(f"{mode}.engine_busy")
+            lines.append(
+                f"| {r['workload']} | {r['phase']} | {mode} | {_f(r[f'{mode}.jct'])} | "
+                f"{_f(busy * 100 if busy is not None else None, '{:.0f}')}% | "
+                f"{_f(r.get(f'{mode}.prefill_s'))} | {_f(r.get(f'{mode}.decode_s'))} | "
+                f"{_f(r.get(f'{mode}.decode_batch_mean'), '{:.1f}')} | "
+                f"{_f(r.get(f'{mode}.last_start'))} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -266,6 +299,8 @@ def write(out: Path, meta: dict, records: list[dict]) -> dict:
         json.dumps({"meta": meta, "rows": rows, "runs": records}, indent=1, default=str)
     )
     text = f"Command: `{meta['command']}`\n\n" + table(rows) + "\n" + goals(rows)
+    if time_table(rows):
+        text += "\nWhere the time goes (medians):\n\n" + time_table(rows)
     (out / "table.md").write_text(text)
     plots = plot(rows, out)
     return {"rows": rows, "table": text, "plots": plots}

@@ -1,6 +1,7 @@
 """Attention over a paged KV cache: the backend interface and the torch backend.
 
-KV layout (shared with `parrot_backend.kernels`): per layer, `k_cache` and `v_cache` are
+The Triton backend is `triton_attention.py`. KV layout (shared with
+`parrot_backend.kernels`): per layer, `k_cache` and `v_cache` are
 `[num_blocks, block_size, num_kv_heads, head_dim]`. A token's slot is
 `block_id * block_size + offset`; a sequence's blocks are listed in its block table.
 
@@ -216,7 +217,7 @@ def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        from parrot_backend.kernels.backend import TritonAttention
+        from .triton_attention import TritonAttention
 
         return TritonAttention()
     raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'triton')")

@@ -1,5 +1,8 @@
 """`TritonAttention`: the engine's attention backend on CUDA, and the prefix-sharing gate.
 
+It lives with the engine's other backends (`attention.py`); the kernels it launches
+(`parrot_backend.kernels`) take tensors and plans and know nothing of the engine.
+
 Per forward step the backend sorts the batch's sequences into three launches:
 - prefill / extend rows (more than one new token) -> `extend` (causal, paged context);
 - decode rows in a `PrefixGroup` -> `shared_prefix` (prefix once per group, then suffix,
@@ -15,13 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from parrot_backend.engine.attention import AttentionBackend, AttentionMetadata
+from parrot_backend.kernels._triton import require_triton
+from parrot_backend.kernels.decode import DecodePlan, plan_decode, run_decode
+from parrot_backend.kernels.extend import ExtendPlan, plan_extend, run_extend
+from parrot_backend.kernels.kv_store import store_kv_triton
+from parrot_backend.kernels.shared_prefix import (
+    GroupSpec,
+    SharedPrefixPlan,
+    plan_shared_prefix,
+    run_shared_prefix,
+)
 
-from ._triton import require_triton
-from .decode import DecodePlan, plan_decode, run_decode
-from .extend import ExtendPlan, plan_extend, run_extend
-from .kv_store import store_kv_triton
-from .shared_prefix import GroupSpec, SharedPrefixPlan, plan_shared_prefix, run_shared_prefix
+from .attention import AttentionBackend, AttentionMetadata
 
 # The gate's thresholds. Published measurements put cascade kernels behind plain paged
 # decode at a 64-token prefix, and vLLM takes its cascade path only from a 256-token

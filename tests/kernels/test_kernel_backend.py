@@ -20,7 +20,7 @@ from parrot_backend.engine.attention import (  # noqa: E402
     TorchAttention,
     make_backend,
 )
-from parrot_backend.kernels.backend import TritonAttention, should_share_prefix  # noqa: E402
+from parrot_backend.engine.triton_attention import TritonAttention, should_share_prefix  # noqa: E402
 
 HKV = 2
 B = BLOCK_SIZE

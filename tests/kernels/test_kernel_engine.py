@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from parrot_backend.contract.sampling import SamplingParams  # noqa: E402
 from parrot_backend.engine.engine import Engine  # noqa: E402
-from parrot_backend.kernels.backend import TritonAttention  # noqa: E402
+from parrot_backend.engine.triton_attention import TritonAttention  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 

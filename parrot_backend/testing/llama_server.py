@@ -415,6 +415,10 @@ class LlamaServer:
             "--host", self.host, "--port", str(self.port),
             "--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel),
             "--metrics", "--slots", "--no-webui",
+            # no weight repacking, so no AMX buffers: on a Sapphire Rapids VM (amx_int8 in
+            # /proc/cpuinfo, XTILEDATA permitted) this build's AMX matmul crashes with a
+            # general protection fault in the warm-up decode. Q4_1 has no other CPU repack.
+            "--no-repack",
         ]
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]

@@ -70,6 +70,21 @@ def connect(args: argparse.Namespace, local: Any = None) -> dict[str, UpstreamEn
     return {f"upstream-{i}": e for i, e in enumerate(engines)}
 
 
+def serve_engines(args: argparse.Namespace, local: Any = None
+                  ) -> tuple[dict[str, Any], Any, dict[str, UpstreamEngine]]:
+    """What `serve` runs on: (the manager's engines, the engine of the OpenAI-compatible
+    API, the upstreams). The in-process engine `local` (None with `--no-local-engine`) is
+    `engine-0` and serves the OpenAI API; without it the first upstream does. Raises
+    ValueError (no engine at all, bad options) or EngineUnavailable."""
+    upstreams = connect(args, local)
+    if local is None and not upstreams:
+        raise ValueError("--no-local-engine needs at least one --upstream URL")
+    engines: dict[str, Any] = {"engine-0": local} if local is not None else {}
+    engines.update(upstreams)
+    front = local if local is not None else next(iter(upstreams.values()))
+    return engines, front, upstreams
+
+
 async def keep_in_service(manager: Any, upstreams: Mapping[str, UpstreamEngine],
                           interval_s: float = 5.0) -> None:
     """Put back into service an upstream the manager took out (it was unreachable) once it

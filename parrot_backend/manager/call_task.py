@@ -42,6 +42,7 @@ from parrot_backend.contract.errors import ContextNotFound, EngineUnavailable
 from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.program import Criterion, GenerationConfig
 
+from .identity_cache import IdentityCache
 from .ready_queue import ReadyCall
 from .render import CallPlan, Step
 from .runs import RunOwnedElsewhere
@@ -72,23 +73,10 @@ def new_context_id(prefix: str = "call") -> str:
     return f"{prefix}:{_NAMESPACE}:{next(_ids)}"
 
 
-# Configs are never mutated after validation and shared across runs (`ingest.py`), and
-# engines never mutate the SamplingParams they are given: one per config, by identity (the
-# entry holds the config, so its id is not reused while cached).
-_SAMPLING: dict[int, tuple[GenerationConfig, SamplingParams]] = {}
-_SAMPLING_SIZE = 4096
-
-
-def sampling_of(config: GenerationConfig) -> SamplingParams:
-    """`config.to_sampling()`, made once per config object (read-only: do not mutate)."""
-    hit = _SAMPLING.get(id(config))
-    if hit is not None and hit[0] is config:
-        return hit[1]
-    params = config.to_sampling()
-    if len(_SAMPLING) >= _SAMPLING_SIZE:
-        _SAMPLING.clear()
-    _SAMPLING[id(config)] = (config, params)
-    return params
+# `config.to_sampling()`, made once per config object: configs are frozen and shared
+# across runs (`ingest.py`), and so is the SamplingParams engines are given.
+sampling_of: IdentityCache[GenerationConfig, SamplingParams] = IdentityCache(
+    GenerationConfig.to_sampling)
 
 
 @dataclass(slots=True, eq=False)

@@ -24,7 +24,7 @@ from typing import Any
 
 from parrot_backend.program import Call, CallSpec, GenerationConfig, Program, RunSpec, Segment
 
-_DEFAULT = GenerationConfig()  # shared: configs are never mutated after validation
+_DEFAULT = GenerationConfig()  # shared: configs are frozen
 
 
 class CallBuilder:

@@ -103,7 +103,7 @@ class Assignment:
 
 
 @dataclass(slots=True)
-class _Load:
+class RoundLoad:
     """An engine's load as this round's decisions change it (snapshots stay untouched)."""
 
     engine_id: str
@@ -117,7 +117,7 @@ class _Load:
     extra: set[str] | None = None
 
     @classmethod
-    def of(cls, e: EngineSnapshot) -> _Load:
+    def of(cls, e: EngineSnapshot) -> RoundLoad:
         return cls(
             e.engine_id,
             e.running_latency,
@@ -127,10 +127,10 @@ class _Load:
             set(e.prefixes),
         )
 
-    def trial(self) -> _Load:
+    def trial(self) -> RoundLoad:
         """A copy to try placements on; this load must not change while the copy is used."""
         held = self.prefixes if not self.extra else self.prefixes | self.extra
-        return _Load(
+        return RoundLoad(
             self.engine_id,
             self.running_latency,
             self.batch_size,
@@ -159,7 +159,7 @@ def schedule(
 ) -> list[Assignment]:
     """Assign pending calls to engines for this round, following the module's policy."""
     config = config or PolicyConfig()
-    state = {e.engine_id: _Load.of(e) for e in engines}
+    state = {e.engine_id: RoundLoad.of(e) for e in engines}
     reserved: set[str] = set()
     out: list[Assignment] = []
     open_engines = list(state.values())  # those not reserved (made again when one is)
@@ -173,7 +173,7 @@ def schedule(
                 break  # nothing fits any more, and no later unit is aged (they come first)
         # placements are tried on copies of the engines' loads (a group is all or
         # nothing); what a successful try made of them is this round's state from then on
-        placed: tuple[list[Assignment], list[_Load]] | None
+        placed: tuple[list[Assignment], list[RoundLoad]] | None
         if _single(unit):
             # one call: trial copies would reach the same engine; place it on the state
             call = unit.calls[0]
@@ -231,7 +231,7 @@ def _unit(calls: list[PendingCall], now: float, config: PolicyConfig) -> _Unit:
     return _Unit(calls, now - since > config.aging_s, latency, since)
 
 
-def _matched(call: PendingCall, engine: _Load) -> Prefix | None:
+def _matched(call: PendingCall, engine: RoundLoad) -> Prefix | None:
     """The longest prefix of `call` that `engine` holds."""
     held, extra = engine.prefixes, engine.extra
     for prefix in reversed(call.prefixes):
@@ -241,7 +241,7 @@ def _matched(call: PendingCall, engine: _Load) -> Prefix | None:
 
 
 def _fits(
-    call: PendingCall, engine: _Load, config: PolicyConfig, aged: bool, batched: bool
+    call: PendingCall, engine: RoundLoad, config: PolicyConfig, aged: bool, batched: bool
 ) -> bool:
     """Whether `engine` can take `call` now; `batched`: the call obeys throughput caps."""
     if aged:
@@ -257,7 +257,7 @@ def _fits(
     return need <= engine.free_kv_tokens
 
 
-def _rank(call: PendingCall, engine: _Load, batched: bool) -> tuple:
+def _rank(call: PendingCall, engine: RoundLoad, batched: bool) -> tuple:
     """Sort key of an engine for `call`: longest prefix, then least loaded."""
     hit = _matched(call, engine)
     avoid_latency = bool(engine.running_latency) and (batched or call.objective != "latency")
@@ -272,11 +272,11 @@ def _rank(call: PendingCall, engine: _Load, batched: bool) -> tuple:
 
 def _best(
     call: PendingCall,
-    engines: Iterable[_Load],
+    engines: Iterable[RoundLoad],
     config: PolicyConfig,
     aged: bool,
     batched: bool,
-) -> _Load | None:
+) -> RoundLoad | None:
     fitting = [e for e in engines if _fits(call, e, config, aged, batched)]
     if len(fitting) < 2:  # nothing to rank
         return fitting[0] if fitting else None
@@ -284,8 +284,8 @@ def _best(
 
 
 def _place_unit(
-    unit: _Unit, engines: list[_Load], config: PolicyConfig
-) -> tuple[list[Assignment], list[_Load]] | None:
+    unit: _Unit, engines: list[RoundLoad], config: PolicyConfig
+) -> tuple[list[Assignment], list[RoundLoad]] | None:
     """All calls of `unit` placed on trial copies (`_place_each`), or None when they do
     not all fit."""
     batched = not _single(unit)
@@ -299,12 +299,12 @@ def _place_unit(
 
 def _place_each(
     calls: list[PendingCall],
-    engines: list[_Load],
+    engines: list[RoundLoad],
     config: PolicyConfig,
     aged: bool,
     partial: bool,
     batched: bool = True,
-) -> tuple[list[Assignment], list[_Load]] | None:
+) -> tuple[list[Assignment], list[RoundLoad]] | None:
     """Place calls one by one on copies of `engines`; None if one fails and not `partial`.
 
     Returns the assignments and the copies as the placements left them: `_adopt` them
@@ -321,7 +321,7 @@ def _place_each(
     return placed, trials
 
 
-def _adopt(engine: _Load, trial: _Load) -> None:
+def _adopt(engine: RoundLoad, trial: RoundLoad) -> None:
     """Make `engine` what its trial copy became: as if the trial's calls were committed
     to it in the same order (the copy started equal to it and nothing else changed it)."""
     engine.running_latency = trial.running_latency
@@ -342,7 +342,7 @@ def _shared_prefix(calls: Sequence[PendingCall]) -> str | None:
     return next(iter(common), None)
 
 
-def _commit(call: PendingCall, engine: _Load, single: bool) -> Assignment:
+def _commit(call: PendingCall, engine: RoundLoad, single: bool) -> Assignment:
     """Account for `call` running on `engine`; the engine will hold its prefixes after."""
     hit = _matched(call, engine)
     engine.batch_size += 1

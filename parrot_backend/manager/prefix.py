@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 from parrot_backend.program import InputRef, OutputRef, Segment, Text
 
+from .identity_cache import IdentityCache
+
 _VERSION = b"parrot-prefix/1\0"  # bump when the key layout changes: old keys must not match
 
 
@@ -54,10 +56,9 @@ def prefix_boundaries(segments: Sequence[Segment]) -> list[int]:
 
 
 # Calls of one workflow share their segments tuple (the manager parses a template once):
-# its boundaries are computed once, keyed by identity (the entry holds the tuple, so the id
-# cannot be reused while cached). Hashers are cached after the model and salt.
+# its boundaries are computed once per tuple. Hashers are cached after the model and salt.
 _CACHE_SIZE = 4096
-_CUTS: dict[int, tuple[tuple[Segment, ...], list[int]]] = {}
+_CUTS: IdentityCache[tuple[Segment, ...], list[int]] = IdentityCache(prefix_boundaries)
 _BASES: dict[tuple[str, str | bytes | None], hashlib.blake2b] = {}
 
 
@@ -65,14 +66,7 @@ def _boundaries(segments: Sequence[Segment]) -> list[int]:
     """`prefix_boundaries(segments)`, cached for tuples (do not mutate the result)."""
     if type(segments) is not tuple:
         return prefix_boundaries(segments)
-    hit = _CUTS.get(id(segments))
-    if hit is not None and hit[0] is segments:
-        return hit[1]
-    cuts = prefix_boundaries(segments)
-    if len(_CUTS) >= _CACHE_SIZE:
-        _CUTS.clear()
-    _CUTS[id(segments)] = (segments, cuts)
-    return cuts
+    return _CUTS(segments)
 
 
 def _hasher(model: str, salt: str | bytes | None) -> hashlib.blake2b:

@@ -184,7 +184,7 @@ class PromptTokenizer:
         return cut
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Step:
     """Generate `output` with `config`, then fill `then` (tokens up to the next output).
 
@@ -195,7 +195,7 @@ class Step:
     then: list[int]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CallPlan:
     """The engine work of one call: `prompt` tokens, then `steps` in order.
 
@@ -239,18 +239,19 @@ def render_call(
     segments = call.segments
     pieces = prompt_pieces(call, values)
     prompt = tokens.prompt(pieces)
-    steps: list[Step] = []
+    outputs: list[tuple[str, list[int]]] = []
     then: list[int] = []
     for seg in segments[len(pieces) :]:
         if isinstance(seg, OutputRef):
             then = []
-            steps.append(Step(seg.name, call.configs[seg.name], then))
+            outputs.append((seg.name, then))
         elif isinstance(seg, Text):
             then.extend(tokens.text(seg.text))
         else:
             then.extend(tokens.value(values[seg.name]))
-    if steps:
-        steps[-1].then = []  # nothing is generated after the last output
+    if outputs:  # nothing is generated after the last output
+        outputs[-1] = (outputs[-1][0], [])
+    steps = [Step(name, call.configs[name], then) for name, then in outputs]
     n = len(prompt) + sum(len(s.then) + s.config.max_tokens for s in steps)
     plan = CallPlan(list(prompt), steps, n)
     return plan, _prefixes(segments, pieces, prompt, tokens, model, salt)

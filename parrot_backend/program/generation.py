@@ -34,7 +34,8 @@ class GenerationConfig(BaseModel):
     unknown fields are errors, so a typo in a request never silently falls back to a default.
     """
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # frozen: one config is shared by every call of a workflow and by the manager's caches
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
     max_tokens: int = Field(_PLAIN.max_tokens, ge=1)
     temperature: float = Field(_PLAIN.temperature, ge=0.0)

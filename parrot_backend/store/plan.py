@@ -11,7 +11,7 @@ from parrot_backend.store.errors import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
-class CallPlan:
+class CallDescriptor:
     """A validated call descriptor."""
 
     name: str | None
@@ -32,7 +32,7 @@ def _names(value: Any, what: str) -> tuple[str, ...]:
     return names
 
 
-def parse_calls(calls: Sequence[Mapping[str, Any]]) -> list[CallPlan]:
+def parse_calls(calls: Sequence[Mapping[str, Any]]) -> list[CallDescriptor]:
     """Validate descriptors ``{"name", "inputs": [...], "outputs": [...], "objective"?,
     "task_group"?}``; raise :class:`InvalidRequestError` on bad data."""
     plans = []
@@ -44,7 +44,7 @@ def parse_calls(calls: Sequence[Mapping[str, Any]]) -> list[CallPlan]:
             raise InvalidRequestError(f"call {i}: objective must be one of {OBJECTIVES}")
         group = desc.get("task_group")
         plans.append(
-            CallPlan(
+            CallDescriptor(
                 name=desc.get("name"),
                 inputs=_names(desc.get("inputs", ()), f"call {i} inputs"),
                 outputs=_names(desc.get("outputs", ()), f"call {i} outputs"),
@@ -56,7 +56,10 @@ def parse_calls(calls: Sequence[Mapping[str, Any]]) -> list[CallPlan]:
 
 
 def check_producers(
-    plans: Sequence[CallPlan], produced: Mapping[str, int], inputs: Iterable[str], first_idx: int
+    plans: Sequence[CallDescriptor],
+    produced: Mapping[str, int],
+    inputs: Iterable[str],
+    first_idx: int,
 ) -> dict[str, int]:
     """Each variable has at most one producer and is not also a client input.
 

@@ -39,7 +39,7 @@ from parrot_backend.store.columns import (
 from parrot_backend.store.errors import InvalidRequestError, NotFoundError
 from parrot_backend.store.events import append_in
 from parrot_backend.store.models import VALUE_TYPES, Call, CallInput, Run, Variable
-from parrot_backend.store.plan import CallPlan, check_producers, parse_calls
+from parrot_backend.store.plan import CallDescriptor, check_producers, parse_calls
 from parrot_backend.store.records import RunDetail, RunRecord, UnfinishedRun
 
 _RUNS = Run.__table__
@@ -77,7 +77,7 @@ def output_types(calls: Sequence[Mapping[str, Any]]) -> dict[str, str]:
 
 
 def _insert_calls(
-    c: Connection, run_id: str, plans: Sequence[CallPlan], first_idx: int, now: datetime,
+    c: Connection, run_id: str, plans: Sequence[CallDescriptor], first_idx: int, now: datetime,
     variables: dict[str, int] | None = None, types: Mapping[str, str] | None = None,
 ) -> None:
     """Insert calls, their variables (pending when new) and the DAG's input edges.

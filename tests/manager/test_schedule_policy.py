@@ -221,7 +221,7 @@ def _reference_schedule(pending, engines, now, config):  # type: ignore[no-untyp
                     return together
         return place_each(unit.calls, loads, unit.aged, partial=False, batched=batched)
 
-    state = {e.engine_id: p._Load.of(e) for e in engines}
+    state = {e.engine_id: p.RoundLoad.of(e) for e in engines}
     reserved: set[str] = set()
     out = []
     for unit in p._units(pending, now, config):

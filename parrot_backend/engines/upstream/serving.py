@@ -53,6 +53,8 @@ def connect(args: argparse.Namespace, local: Any = None) -> dict[str, UpstreamEn
     tokenizer the upstreams take. Raises ValueError or EngineUnavailable."""
     if not args.upstream:
         return {}
+    # httpx logs every request at INFO: one line per generation and per metrics scrape
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     api_key = None
     if args.upstream_api_key_env:
         api_key = os.environ.get(args.upstream_api_key_env)

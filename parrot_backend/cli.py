@@ -125,30 +125,48 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from parrot_backend.engines.upstream import serving as upstream_serving
 
-        local = None if args.no_local_engine else Engine.from_pretrained(
-            args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks)
+        local = (
+            None
+            if args.no_local_engine
+            else Engine.from_pretrained(
+                args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks
+            )
+        )
         # --upstream servers (vLLM, SGLang, llama.cpp) run calls beside the local engine
         engines, engine, upstreams = upstream_serving.serve_engines(args, local)
         from parrot_backend.manager.manager import ManagerConfig
 
-        limits = ManagerConfig(max_calls_per_run=args.max_calls_per_run,
-                               max_calls_per_tenant=args.max_calls_per_tenant)
-        runtime = NativeRuntime(store, engines, worker=args.worker_id,
-                                owner_lease_s=args.run_lease, manager_config=limits)
-        settings = ServerSettings(host=args.host, port=args.port, api_keys=keys,
-                                  key_lookup=runtime.key_lookup if auth else None,
-                                  auth=True if auth else None, manage_engine=True,
-                                  salt_secret=runtime.salt_secret)
+        limits = ManagerConfig(
+            max_calls_per_run=args.max_calls_per_run, max_calls_per_tenant=args.max_calls_per_tenant
+        )
+        runtime = NativeRuntime(
+            store,
+            engines,
+            worker=args.worker_id,
+            owner_lease_s=args.run_lease,
+            manager_config=limits,
+        )
+        settings = ServerSettings(
+            host=args.host,
+            port=args.port,
+            api_keys=keys,
+            key_lookup=runtime.key_lookup if auth else None,
+            auth=True if auth else None,
+            manage_engine=True,
+            salt_secret=runtime.salt_secret,
+        )
         registry = None
         if args.operator_key:
             from parrot_backend.server.engine_registry import EngineRegistry
 
             # remote engines (`parrot-backend engine --manager URL`) join the manager here;
             # one that stops heartbeating is removed and its calls run elsewhere
-            registry = EngineRegistry(operator_key=args.operator_key,
-                                      model_name=runtime.manager.model,
-                                      on_added=runtime.manager.add_engine,
-                                      on_removed=runtime.manager.remove_engine)
+            registry = EngineRegistry(
+                operator_key=args.operator_key,
+                model_name=runtime.manager.model,
+                on_added=runtime.manager.add_engine,
+                on_removed=runtime.manager.remove_engine,
+            )
         app = create_app(engine, settings=settings, native=runtime, registry=registry)
     except (ValueError, FileNotFoundError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -162,9 +180,15 @@ def _serve(args: argparse.Namespace) -> int:
         before = configure_gc(args.gc_threshold or GEN0_THRESHOLD)
         logging.getLogger("parrot_backend.cli").info(
             "gc: %d start-up objects frozen, generation-0 threshold %d (was %d)",
-            gc.get_freeze_count(), gc.get_threshold()[0], before.thresholds[0])
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="info", timeout_graceful_shutdown=10))
+            gc.get_freeze_count(),
+            gc.get_threshold()[0],
+            before.thresholds[0],
+        )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10
+        )
+    )
     failed: list[BaseException] = []
 
     async def watch() -> None:
@@ -178,7 +202,8 @@ def _serve(args: argparse.Namespace) -> int:
     async def main() -> None:
         watcher = asyncio.create_task(watch())
         keeper = asyncio.create_task(  # an upstream that answers again goes back in service
-            upstream_serving.keep_in_service(runtime.manager, upstreams))
+            upstream_serving.keep_in_service(runtime.manager, upstreams)
+        )
         try:
             await server.serve()
         finally:
@@ -222,40 +247,80 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", action="append", metavar="[TENANT=]KEY",
-                   help="accept this Bearer key (repeatable; required off loopback). "
-                        "TENANT=KEY names its tenant (keys may share one); a bare KEY's "
-                        "tenant is key-<first 16 hex digits of its SHA-256>")
-    s.add_argument("--auth", action="store_true",
-                   help="require API keys (static --api-key or the store's tenant keys) "
-                        "even on loopback")
-    s.add_argument("--data-dir", default=None,
-                   help="where the SQLite database lives (default: $PARROT_DATA_DIR or "
-                        "~/.local/share/parrot-backend)")
-    s.add_argument("--database-url", default=None,
-                   help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db "
-                        "(default: $PARROT_DATABASE_URL or SQLite in the data dir)")
-    s.add_argument("--no-upgrade", action="store_true",
-                   help="refuse to start on an older schema instead of migrating it")
-    s.add_argument("--worker-id", default=None,
-                   help="this server's name in call claims (default: serve@<hostname>); "
-                        "keep it stable across restarts")
-    s.add_argument("--run-lease", type=float, default=30.0,
-                   help="seconds this server holds its runs without renewing; servers "
-                        "sharing a database adopt the runs of one that stops (default 30)")
-    s.add_argument("--operator-key", default=os.environ.get("PARROT_OPERATOR_KEY"),
-                   help="accept remote engines that register with this key "
-                        "(default: $PARROT_OPERATOR_KEY; none: no remote engines)")
-    s.add_argument("--max-calls-per-run", type=_positive, default=4096, metavar="N",
-                   help="calls one run may hold (a program, or an open run's additions in "
-                        "all); beyond: 400 (default 4096)")
-    s.add_argument("--max-calls-per-tenant", type=_positive, default=4096, metavar="N",
-                   help="calls of one tenant ready or running at once; a run or calls that "
-                        "would start more: 429 with Retry-After (default 4096)")
-    s.add_argument("--gc-threshold", type=int, default=None, metavar="N",
-                   help="garbage collector: freeze start-up objects and collect young "
-                        "objects every N allocations (default 10000, see "
-                        "parrot_backend/manager/gctune.py); 0 leaves Python's defaults")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        metavar="[TENANT=]KEY",
+        help="accept this Bearer key (repeatable; required off loopback). "
+        "TENANT=KEY names its tenant (keys may share one); a bare KEY's "
+        "tenant is key-<first 16 hex digits of its SHA-256>",
+    )
+    s.add_argument(
+        "--auth",
+        action="store_true",
+        help="require API keys (static --api-key or the store's tenant keys) even on loopback",
+    )
+    s.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the SQLite database lives (default: $PARROT_DATA_DIR or "
+        "~/.local/share/parrot-backend)",
+    )
+    s.add_argument(
+        "--database-url",
+        default=None,
+        help="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db "
+        "(default: $PARROT_DATABASE_URL or SQLite in the data dir)",
+    )
+    s.add_argument(
+        "--no-upgrade",
+        action="store_true",
+        help="refuse to start on an older schema instead of migrating it",
+    )
+    s.add_argument(
+        "--worker-id",
+        default=None,
+        help="this server's name in call claims (default: serve@<hostname>); "
+        "keep it stable across restarts",
+    )
+    s.add_argument(
+        "--run-lease",
+        type=float,
+        default=30.0,
+        help="seconds this server holds its runs without renewing; servers "
+        "sharing a database adopt the runs of one that stops (default 30)",
+    )
+    s.add_argument(
+        "--operator-key",
+        default=os.environ.get("PARROT_OPERATOR_KEY"),
+        help="accept remote engines that register with this key "
+        "(default: $PARROT_OPERATOR_KEY; none: no remote engines)",
+    )
+    s.add_argument(
+        "--max-calls-per-run",
+        type=_positive,
+        default=4096,
+        metavar="N",
+        help="calls one run may hold (a program, or an open run's additions in "
+        "all); beyond: 400 (default 4096)",
+    )
+    s.add_argument(
+        "--max-calls-per-tenant",
+        type=_positive,
+        default=4096,
+        metavar="N",
+        help="calls of one tenant ready or running at once; a run or calls that "
+        "would start more: 429 with Retry-After (default 4096)",
+    )
+    s.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="garbage collector: freeze start-up objects and collect young "
+        "objects every N allocations (default 10000, see "
+        "parrot_backend/manager/gctune.py); 0 leaves Python's defaults",
+    )
     from parrot_backend.engines.upstream.serving import add_arguments as upstream_arguments
 
     upstream_arguments(s)  # --upstream URL ..., --no-local-engine

@@ -32,17 +32,20 @@ class ServerError(RuntimeError):
 class HttpBackend:
     """A `Backend` for a remote server: one open run per session, values long-polled."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout_s: float = 30.0
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever,
-                                        name="parrot-http-backend", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="parrot-http-backend", daemon=True
+        )
         self._thread.start()
 
         async def make() -> httpx.AsyncClient:
-            return httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                     timeout=timeout_s, trust_env=False)
+            return httpx.AsyncClient(
+                base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False
+            )
 
         self._http = asyncio.run_coroutine_threadsafe(make(), self.loop).result()
 
@@ -80,9 +83,11 @@ class HttpBackend:
         while True:
             try:
                 view = await self._send(
-                    "GET", f"/v1/runs/{run_id}/variables/{name}",
+                    "GET",
+                    f"/v1/runs/{run_id}/variables/{name}",
                     params={"perf": perf, "timeout": LONG_POLL_S},
-                    timeout=LONG_POLL_S + 10)
+                    timeout=LONG_POLL_S + 10,
+                )
             except ServerError as exc:
                 if exc.status == 408:
                     continue  # not ready yet: the run goes on

@@ -54,22 +54,29 @@ class Constraint:
         library refuses it: that needs the library, see `engine.grammar.check`)."""
         if self.kind not in CONSTRAINT_KINDS:
             raise InvalidRequest(
-                f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+                f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}"
+            )
         if not isinstance(self.require_complete, bool):
             raise InvalidRequest("constraint require_complete must be a boolean")
         if self.kind == "choice":
-            if (not isinstance(self.spec, tuple) or not self.spec
-                    or not all(isinstance(c, str) and c for c in self.spec)):
-                raise InvalidRequest("a choice constraint needs a non-empty list of "
-                                     "non-empty strings")
+            if (
+                not isinstance(self.spec, tuple)
+                or not self.spec
+                or not all(isinstance(c, str) and c for c in self.spec)
+            ):
+                raise InvalidRequest(
+                    "a choice constraint needs a non-empty list of non-empty strings"
+                )
             size = sum(len(c) for c in self.spec)
         else:
             if not isinstance(self.spec, str) or not self.spec:
                 raise InvalidRequest(f"a {self.kind} constraint needs a non-empty string spec")
             size = len(self.spec)
         if size > MAX_CONSTRAINT_CHARS:
-            raise InvalidRequest(f"the {self.kind} constraint is too large ({size} characters; "
-                                 f"at most {MAX_CONSTRAINT_CHARS})")
+            raise InvalidRequest(
+                f"the {self.kind} constraint is too large ({size} characters; "
+                f"at most {MAX_CONSTRAINT_CHARS})"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +142,15 @@ class SamplingParams:
             # the grammar decides where the text ends: a stop string could cut a value short
             # of matching, and ignoring EOS would run past the grammar's end
             if self.stop:
-                raise InvalidRequest("stop strings cannot be combined with a constraint "
-                                     "(the grammar decides where the text ends)")
+                raise InvalidRequest(
+                    "stop strings cannot be combined with a constraint "
+                    "(the grammar decides where the text ends)"
+                )
             if self.ignore_eos:
-                raise InvalidRequest("ignore_eos cannot be combined with a constraint "
-                                     "(the grammar decides where the text ends)")
+                raise InvalidRequest(
+                    "ignore_eos cannot be combined with a constraint "
+                    "(the grammar decides where the text ends)"
+                )
 
     @property
     def greedy(self) -> bool:

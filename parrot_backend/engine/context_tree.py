@@ -37,9 +37,7 @@ class ContextTree:
                 f"unknown context {context_id!r} (never created or freed)"
             ) from None
 
-    def open(
-        self, context_id: Hashable, parent_id: Hashable | None, salt: str | None
-    ) -> Context:
+    def open(self, context_id: Hashable, parent_id: Hashable | None, salt: str | None) -> Context:
         """The context `context_id`, or a new one forked from `parent_id` (not in the tree
         until `register`: the caller validates the request first)."""
         try:

@@ -84,8 +84,9 @@ class Engine(StepLoop):
             backend=backend,
         )
         if device.type == "cpu":
-            self.threads = ThreadTuner(config.threads or available_cores(),
-                                       fixed=config.threads is not None)
+            self.threads = ThreadTuner(
+                config.threads or available_cores(), fixed=config.threads is not None
+            )
         else:  # torch's CPU threads barely matter next to a GPU: leave them alone
             self.threads = ThreadTuner(1, fixed=True, set_threads=lambda n: None)
         self.tree = ContextTree(self.pool, self.max_model_len)
@@ -124,8 +125,15 @@ class Engine(StepLoop):
     @classmethod
     def _load(cls, model: str | Path | None, progress: bool, overrides: dict) -> Engine:
         got = load(model, progress, overrides)
-        return cls(got.model, got.model_config, got.tokenizer, got.config,
-                   device=got.device, dtype=got.dtype, model_name=got.model_name)
+        return cls(
+            got.model,
+            got.model_config,
+            got.tokenizer,
+            got.config,
+            device=got.device,
+            dtype=got.dtype,
+            model_name=got.model_name,
+        )
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -289,7 +297,8 @@ class Engine(StepLoop):
             async with self._grammars_lock:
                 if self._grammars is None:
                     self._grammars = await asyncio.to_thread(
-                        GrammarCompiler, self.tokenizer, self.vocab_size, self.eos_ids)
+                        GrammarCompiler, self.tokenizer, self.vocab_size, self.eos_ids
+                    )
         return self._grammars
 
     async def _compile(self, constraint: Constraint) -> None:

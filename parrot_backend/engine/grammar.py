@@ -34,8 +34,11 @@ from parrot_backend.contract.sampling import Constraint
 
 # Generated JSON is spelled the way `json.dumps` (and most training data) spells it, with
 # no other whitespace: a grammar with free whitespace lets a weak model pad forever.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
-                                "key_separator": ": "}
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
@@ -71,8 +74,13 @@ def closed(schema: Any) -> Any:
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), dict):
             out[key] = closed(out[key])
-    if ("properties" in out and not combined and "additionalProperties" not in out
-            and "unevaluatedProperties" not in out and "patternProperties" not in out):
+    if (
+        "properties" in out
+        and not combined
+        and "additionalProperties" not in out
+        and "unevaluatedProperties" not in out
+        and "patternProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -89,8 +97,9 @@ def grammar_source(constraint: Constraint) -> str:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("json_schema must be a JSON object (or true)")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(closed(schema),
-                                                                 defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                closed(schema), defaults=JSON_OPTIONS
+            )
         except ValueError as exc:
             raise GrammarError(f"json_schema: {exc}") from None
     if kind == "regex":
@@ -109,8 +118,7 @@ def _readable(kind: str, message: str) -> str:
     found = _UNIMPLEMENTED.search(message)
     if found:
         keys = [k.strip().strip('"') for k in found.group(1).split(",") if k.strip()]
-        return (f"json_schema uses keywords the grammar engine does not support: "
-                f"{', '.join(keys)}")
+        return f"json_schema uses keywords the grammar engine does not support: {', '.join(keys)}"
     # one line (it goes into JSON error bodies); regex errors span several
     text = " ".join(line.strip() for line in message.splitlines() if line.strip())
     text = text[:500] or "invalid grammar"
@@ -167,8 +175,9 @@ class GrammarState:
     def consume(self, token_id: int) -> None:
         """Advance past a sampled token; GrammarError if the grammar does not allow it."""
         if not self.matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} does not fit the constraint: "
-                               f"{self.matcher.get_error()}")
+            raise GrammarError(
+                f"token {token_id} does not fit the constraint: {self.matcher.get_error()}"
+            )
 
     @property
     def accepting(self) -> bool:
@@ -185,8 +194,9 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer; compiled grammars are kept by their spec (a
     pristine matcher each, copied for every request: `start`)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int],
-                 *, max_cached: int = 256) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int], *, max_cached: int = 256
+    ) -> None:
         from llguidance.hf import from_tokenizer
 
         eos = sorted(eos_ids)

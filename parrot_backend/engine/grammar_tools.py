@@ -30,8 +30,10 @@ OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # Llama-style templates say "parameters"
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(arguments|parameters)"'
-                   r'\s*:\s*')
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(arguments|parameters)"'
+    r"\s*:\s*"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,21 +46,31 @@ class Function:
 
 def call_schema(function: Function) -> dict[str, Any]:
     """The JSON schema of one call object of `function` (name first: streams learn it early)."""
-    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": function.name},
-                           "arguments": closed(function.parameters)}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "arguments"],
+        "properties": {"name": {"const": function.name}, "arguments": closed(function.parameters)},
+    }
 
 
-def tool_call_grammar(functions: Sequence[Function], *, parallel: bool = True,
-                      content_schema: dict[str, Any] | None = None) -> str:
+def tool_call_grammar(
+    functions: Sequence[Function],
+    *,
+    parallel: bool = True,
+    content_schema: dict[str, Any] | None = None,
+) -> str:
     """A Lark grammar of one tool call (or, with `parallel`, one or more) of `functions`.
 
     With `content_schema` the text may instead be JSON of that schema (a model that may
     answer or call, under a response format)."""
     if not functions:
         raise ValueError("a tool-call grammar needs at least one function")
-    schema = (call_schema(functions[0]) if len(functions) == 1
-              else {"anyOf": [call_schema(f) for f in functions]})
+    schema = (
+        call_schema(functions[0])
+        if len(functions) == 1
+        else {"anyOf": [call_schema(f) for f in functions]}
+    )
     schema = _spelled(schema)
     lines = [
         "calls: call" + (' ("\\n" call)*' if parallel else ""),
@@ -197,10 +209,10 @@ class ToolCallParser:
             if at == -1:
                 keep = _held(self._buf, OPEN)
                 self._emit_content(events, self._buf[: len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
+                self._buf = self._buf[len(self._buf) - keep :]
                 return False
             self._emit_content(events, self._buf[:at])
-            self._buf = self._buf[at + len(OPEN):]
+            self._buf = self._buf[at + len(OPEN) :]
             self._block = self._buf
             self._state = "head"
             return True
@@ -214,7 +226,7 @@ class ToolCallParser:
             name = json.loads(match.group(1))
             self.calls.append(ParsedCall(name))
             events.append(("call", len(self.calls) - 1, name))
-            self._buf = self._buf[match.end():]
+            self._buf = self._buf[match.end() :]
             self._scanner = _ValueScanner()
             self._state = "arguments"
             return True
@@ -235,14 +247,14 @@ class ToolCallParser:
             at = self._buf.find(CLOSE)
             if at == -1:
                 return False
-            self._buf = self._buf[at + len(CLOSE):]
+            self._buf = self._buf[at + len(CLOSE) :]
             self._state = "outside"
             return True
         # raw: a block read whole once it closes
         at = self._block.find(CLOSE)
         if at == -1:
             return False
-        body, self._buf = self._block[:at], self._block[at + len(CLOSE):]
+        body, self._buf = self._block[:at], self._block[at + len(CLOSE) :]
         self._state = "outside"
         call = _whole_call(body)
         if call is None:
@@ -269,7 +281,7 @@ class ToolCallParser:
         # whitespace inside content (or ending a text with no calls) is
         text, self._space = self._space + text, ""
         body = text.rstrip()
-        self._space = text[len(body):]
+        self._space = text[len(body) :]
         if body:
             self.content.append(body)
             events.append(("content", -1, body))

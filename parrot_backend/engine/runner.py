@@ -116,8 +116,7 @@ class ModelRunner:
         self._flush_copies()
         width = max(len(t) for t in batch.tables)
         # padded with block 0: slots past a sequence's length are masked by seq_lens
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.tables],
-                              dtype=torch.int32)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.tables], dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(batch.slots, dtype=torch.long, device=dev),
@@ -127,8 +126,7 @@ class ModelRunner:
             block_size=self.block_size,
         )
         if self.backend.groups_prefixes and any(
-            batch.query_start[i + 1] - batch.query_start[i] == 1
-            for i in range(len(batch.seq_lens))
+            batch.query_start[i + 1] - batch.query_start[i] == 1 for i in range(len(batch.seq_lens))
         ):
             meta.prefix_groups = find_prefix_groups(meta, self.backend.share_prefix)
         return (

@@ -26,8 +26,9 @@ MAX_TEMPERATURE = 1e4
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-def grammar_masks(states: Sequence[GrammarState], vocab_size: int
-                  ) -> list[torch.Tensor | GrammarError]:
+def grammar_masks(
+    states: Sequence[GrammarState], vocab_size: int
+) -> list[torch.Tensor | GrammarError]:
     """Each state's disallowed tokens as a bool row of `vocab_size` (True: banned), computed
     into one bitmask for the batch; a state whose matcher fails gets its error instead."""
     words = (vocab_size + 31) // 32

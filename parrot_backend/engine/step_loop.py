@@ -81,8 +81,12 @@ class StepLoop:
         a fork's copy of its parent's counts), else a fresh one."""
         ctx, constraint = req.ctx, req.sampling.constraint
         state = ctx.grammar
-        if (state is None or state.key != constraint.key or state.end != len(ctx.tokens)
-                or state.stopped):
+        if (
+            state is None
+            or state.key != constraint.key
+            or state.end != len(ctx.tokens)
+            or state.stopped
+        ):
             state = self._grammars.start(constraint, len(ctx.tokens))
             ctx.grammar = state
         req.sampler.grammar = state
@@ -174,19 +178,24 @@ class StepLoop:
         loop = asyncio.get_running_loop()
         runner = self.runner
         try:
-            return await loop.run_in_executor(compute_executor(), self._compute,
-                                              runner.prepare(work))
+            return await loop.run_in_executor(
+                compute_executor(), self._compute, runner.prepare(work)
+            )
         except Exception as exc:
-            log.warning("a step of %d sequence(s) failed (%r); retrying them one by one",
-                        len(work), exc)
+            log.warning(
+                "a step of %d sequence(s) failed (%r); retrying them one by one", len(work), exc
+            )
         results: list[StepResult] = []
         for w in work:
             if w.req.done or w.req.ctx.freed:  # cancelled or freed meanwhile: nothing to do
                 results.append(None)
                 continue
             try:
-                results.extend(await loop.run_in_executor(
-                    compute_executor(), self._compute, runner.prepare([w])))
+                results.extend(
+                    await loop.run_in_executor(
+                        compute_executor(), self._compute, runner.prepare([w])
+                    )
+                )
             except Exception as exc:
                 results.append(StepFailed(f"computing this request failed: {exc!r}"))
         if all(isinstance(r, BaseException) for r in results):
@@ -273,9 +282,13 @@ class StepLoop:
                 finish = "stop"  # the grammar allows nothing more: done without an EOS step
             elif req.generated >= p.max_tokens or len(ctx.tokens) >= self.max_model_len:
                 if grammar is not None and p.constraint.require_complete and not grammar.accepting:
-                    self._fail(req, GrammarError(
-                        f"the {p.constraint.kind} constraint was not complete after "
-                        f"{req.generated} tokens (max_tokens={p.max_tokens}); raise max_tokens"))
+                    self._fail(
+                        req,
+                        GrammarError(
+                            f"the {p.constraint.kind} constraint was not complete after "
+                            f"{req.generated} tokens (max_tokens={p.max_tokens}); raise max_tokens"
+                        ),
+                    )
                     return
                 text += req.detok.flush()
                 finish = "length"

@@ -77,14 +77,19 @@ class ThreadTuner:
         """Apply and return the thread count for the next step."""
         threads = self.current
         if not self.fixed:
-            if self._probe is None and self.clock() >= self._next_probe and any(
-                len(q) == self.probe_steps for q in self._recent.values()
+            if (
+                self._probe is None
+                and self.clock() >= self._next_probe
+                and any(len(q) == self.probe_steps for q in self._recent.values())
             ):
                 others = [n for n in self.candidates() if n != self.current]
                 if others:
                     # try the neighbour: fewer threads from the whole team, more from fewer
-                    self._probe = others[0] if self.current == self.max_threads else max(
-                        n for n in others if n > self.current)
+                    self._probe = (
+                        others[0]
+                        if self.current == self.max_threads
+                        else max(n for n in others if n > self.current)
+                    )
                     self._probe_costs = {}
                     self._probe_left = 4 * self.probe_steps
             if self._probe is not None:
@@ -111,8 +116,7 @@ class ThreadTuner:
             if statistics.median(tried) * self.margin < statistics.median(before):
                 self.current = self._probe
                 self.switches += 1
-                self._recent = {size: deque(tried[-self.probe_steps:],
-                                            maxlen=self.probe_steps)}
+                self._recent = {size: deque(tried[-self.probe_steps :], maxlen=self.probe_steps)}
                 self._interval = self.probe_every_s
             else:  # a probe costs a few slow steps: fewer of them while nothing changes
                 self._interval = min(self._interval * 2, self.max_probe_every_s)
@@ -127,8 +131,7 @@ class ThreadTuner:
     def describe(self) -> str:
         if self.fixed:
             return f"{self.current} thread(s), fixed"
-        return (f"auto: {self.current} of {self.max_threads} thread(s), "
-                f"{self.switches} switch(es)")
+        return f"auto: {self.current} of {self.max_threads} thread(s), {self.switches} switch(es)"
 
 
 _COMPUTE_THREAD: dict[str, int | None] = {"threads": None}

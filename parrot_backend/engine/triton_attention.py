@@ -84,8 +84,7 @@ class TritonAttention(AttentionBackend):
             o, _ = run_decode(plan.decode, q, k_cache, v_cache, bt, scale)
             out[plan.decode_rows] = o
         if plan.shared is not None:
-            o, _ = run_shared_prefix(plan.shared, q[plan.shared_rows], k_cache, v_cache, bt,
-                                     scale)
+            o, _ = run_shared_prefix(plan.shared, q[plan.shared_rows], k_cache, v_cache, bt, scale)
             out[plan.shared_rows] = o
         return out
 
@@ -98,7 +97,10 @@ class TritonAttention(AttentionBackend):
 
 
 def build_plan(
-    meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
+    meta: AttentionMetadata,
+    group: int,
+    num_kv_heads: int,
+    device: torch.device,
     dtype: torch.dtype | None = None,
 ) -> _StepPlan:
     """Sort the step's sequences into extend, plain decode and shared-prefix launches."""
@@ -119,14 +121,23 @@ def build_plan(
 
     extend = None
     if extend_seqs:
-        extend = plan_extend(extend_seqs, meta.query_start, meta.seq_lens, group, device,
-                             dtype=dtype)
+        extend = plan_extend(
+            extend_seqs, meta.query_start, meta.seq_lens, group, device, dtype=dtype
+        )
 
     decode = decode_rows = None
     if plain:
         rows = [meta.query_start[i] for i in plain]
-        decode = plan_decode(rows, [meta.seq_lens[i] for i in plain], None, group,
-                             num_kv_heads, device, table_rows=plain, dtype=dtype)
+        decode = plan_decode(
+            rows,
+            [meta.seq_lens[i] for i in plain],
+            None,
+            group,
+            num_kv_heads,
+            device,
+            table_rows=plain,
+            dtype=dtype,
+        )
         decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
 
     shared = shared_rows = None
@@ -134,11 +145,18 @@ def build_plan(
     for g in meta.prefix_groups:
         if not g.seq_indices:
             continue
-        specs.append(GroupSpec(list(g.seq_indices), [meta.seq_lens[i] for i in g.seq_indices],
-                               g.prefix_len, list(g.prefix_blocks)))
+        specs.append(
+            GroupSpec(
+                list(g.seq_indices),
+                [meta.seq_lens[i] for i in g.seq_indices],
+                g.prefix_len,
+                list(g.prefix_blocks),
+            )
+        )
         rows += [meta.query_start[i] for i in g.seq_indices]
     if specs:
-        shared = plan_shared_prefix(specs, group, num_kv_heads, meta.block_size, device,
-                                    dtype=dtype)
+        shared = plan_shared_prefix(
+            specs, group, num_kv_heads, meta.block_size, device, dtype=dtype
+        )
         shared_rows = torch.tensor(rows, dtype=torch.long, device=device)
     return _StepPlan(bt, extend, decode, decode_rows, shared, shared_rows)

@@ -6,7 +6,10 @@ import torch
 
 
 def gather_kv(
-    cache: torch.Tensor, table_row: torch.Tensor | list[int], lo: int, hi: int,
+    cache: torch.Tensor,
+    table_row: torch.Tensor | list[int],
+    lo: int,
+    hi: int,
 ) -> torch.Tensor:
     """Rows for positions lo..hi-1 of one sequence: `[hi - lo, Hkv, D]`."""
     bs = cache.shape[1]
@@ -16,7 +19,10 @@ def gather_kv(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q `[n, Hq, D]`, k/v `[L, Hkv, D]`, mask `[n, L]` (True = visible).

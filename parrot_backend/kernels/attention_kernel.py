@@ -38,15 +38,38 @@ TILE_FIELDS = 7
 
 @jit
 def _paged_attn_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, tiles_ptr, o_ptr, lse_ptr,
-    stride_qt, stride_qh,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    tiles_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_vb,
+    stride_vo,
+    stride_vh,
     stride_bt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    scale, split_len,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, IEEE: tl.constexpr,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    scale,
+    split_len,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # HEAD_DIM and BLOCK_SIZE are compile-time so that a head-dim mask known to be all-true
     # lets K/V loads vectorize, and block lookups become shifts
@@ -117,8 +140,11 @@ def _paged_attn_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     o_tok = (o_row0 + tok).to(tl.int64)
     o_off = split * stride_os + o_tok[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(o_ptr + o_off + ds[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + o_off + ds[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     if STORE_LSE:
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + split * stride_ls + o_tok * stride_lt + head, lse, mask=row_ok)
@@ -137,7 +163,9 @@ def block_m_for(rows: int, group: int, cap: int = 128) -> int:
 
 
 def make_tiles(
-    items: Sequence[tuple[int, int, int, int, int, int, int]], group: int, block_m: int,
+    items: Sequence[tuple[int, int, int, int, int, int, int]],
+    group: int,
+    block_m: int,
     device: torch.device,
 ) -> torch.Tensor:
     """Cut work items (same fields as a tile, any number of tokens) into tiles."""
@@ -145,8 +173,9 @@ def make_tiles(
     rows: list[tuple[int, ...]] = []
     for q_tok0, n_tok, table, kv_lo, kv_hi, pos0, o_row0 in items:
         for j in range(0, n_tok, per):
-            rows.append((q_tok0 + j, min(per, n_tok - j), table, kv_lo, kv_hi, pos0 + j,
-                         o_row0 + j))
+            rows.append(
+                (q_tok0 + j, min(per, n_tok - j), table, kv_lo, kv_hi, pos0 + j, o_row0 + j)
+            )
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, TILE_FIELDS)
 
 
@@ -174,9 +203,18 @@ def default_block_n(dtype: torch.dtype | None) -> int:
 
 
 def launch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor | None, scale: float, *, split_len: int, causal: bool, block_m: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    tiles: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    scale: float,
+    *,
+    split_len: int,
+    causal: bool,
+    block_m: int,
     block_n: int = 64,
 ) -> None:
     """Run the kernel. q `[T, Hq, D]`; out `[S, rows, Hq, D]`; lse `[S, rows, Hq]` fp32.
@@ -203,16 +241,37 @@ def launch(
     grid = (n_tiles, hkv, out.shape[0])
     with launch_guard():
         _paged_attn_kernel[grid](
-            q, k_cache, v_cache, block_tables, tiles, out, lse_arg,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            tiles,
+            out,
+            lse_arg,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             block_tables.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            float(scale), max(1, int(split_len)),
-            GROUP=group, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-            CAUSAL=causal, STORE_LSE=lse is not None, IEEE=q.dtype == torch.float32,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            lse.stride(0) if lse is not None else 0,
+            lse.stride(1) if lse is not None else 0,
+            float(scale),
+            max(1, int(split_len)),
+            GROUP=group,
+            HEAD_DIM=d,
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(d)),
+            CAUSAL=causal,
+            STORE_LSE=lse is not None,
+            IEEE=q.dtype == torch.float32,
             num_warps=4 if block_m <= 64 else 8,
         )

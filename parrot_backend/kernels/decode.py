@@ -22,8 +22,13 @@ from .merge import merge_states_triton
 
 
 def paged_decode_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: Sequence[int], scale: float, kv_start: Sequence[int] | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: Sequence[int],
+    scale: float,
+    kv_start: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference. q `[n, Hq, D]` (query i is the last token of sequence i).
 
@@ -53,9 +58,16 @@ class DecodePlan:
 
 
 def plan_decode(
-    q_rows: Sequence[int], seq_lens: Sequence[int], kv_start: Sequence[int] | None,
-    group: int, num_kv_heads: int, device: torch.device, *, num_splits: int | None = None,
-    block_n: int | None = None, table_rows: Sequence[int] | None = None,
+    q_rows: Sequence[int],
+    seq_lens: Sequence[int],
+    kv_start: Sequence[int] | None,
+    group: int,
+    num_kv_heads: int,
+    device: torch.device,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    table_rows: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
 ) -> DecodePlan:
     """One tile per sequence: query row `q_rows[i]` -> output row i, block-table row
@@ -65,8 +77,10 @@ def plan_decode(
     block_m = ak.block_m_for(group, group)
     starts = list(kv_start) if kv_start is not None else [0] * len(seq_lens)
     tables = list(table_rows) if table_rows is not None else list(range(len(seq_lens)))
-    items = [(r, 1, t, s, n, n - 1, i) for i, (r, t, s, n)
-             in enumerate(zip(q_rows, tables, starts, seq_lens, strict=True))]
+    items = [
+        (r, 1, t, s, n, n - 1, i)
+        for i, (r, t, s, n) in enumerate(zip(q_rows, tables, starts, seq_lens, strict=True))
+    ]
     longest = max((n - s for s, n in zip(starts, seq_lens, strict=True)), default=0)
     if num_splits is None:
         num_splits = ak.choose_splits(len(items) * num_kv_heads, longest, block_n, device)
@@ -79,8 +93,13 @@ def plan_decode(
 
 
 def run_decode(
-    plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    plan: DecodePlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a plan; returns (out `[rows, Hq, D]` in q's dtype, lse `[rows, Hq]`).
 
@@ -92,27 +111,65 @@ def run_decode(
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     if plan.num_splits == 1:
         lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
-        ak.launch(q, k_cache, v_cache, block_tables, plan.tiles, out.unsqueeze(0),
-                  lse.unsqueeze(0), scale, split_len=plan.split_len, causal=False,
-                  block_m=plan.block_m, block_n=plan.block_n)
+        ak.launch(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            plan.tiles,
+            out.unsqueeze(0),
+            lse.unsqueeze(0),
+            scale,
+            split_len=plan.split_len,
+            causal=False,
+            block_m=plan.block_m,
+            block_n=plan.block_n,
+        )
         return out, lse
     parts = torch.empty(plan.num_splits, rows, hq, d, dtype=torch.float32, device=q.device)
     lse_parts = torch.empty(plan.num_splits, rows, hq, dtype=torch.float32, device=q.device)
-    ak.launch(q, k_cache, v_cache, block_tables, plan.tiles, parts, lse_parts, scale,
-              split_len=plan.split_len, causal=False, block_m=plan.block_m,
-              block_n=plan.block_n)
+    ak.launch(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        plan.tiles,
+        parts,
+        lse_parts,
+        scale,
+        split_len=plan.split_len,
+        causal=False,
+        block_m=plan.block_m,
+        block_n=plan.block_n,
+    )
     _, lse = merge_states_triton(parts, lse_parts, q.dtype, out=out)
     return out, lse
 
 
 def paged_decode_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: Sequence[int], scale: float, kv_start: Sequence[int] | None = None, *,
-    num_splits: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: Sequence[int],
+    scale: float,
+    kv_start: Sequence[int] | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `paged_decode_ref`; `num_splits` forces the split-KV count."""
     require_triton()
-    plan = plan_decode(range(q.shape[0]), seq_lens, kv_start, q.shape[1] // k_cache.shape[2],
-                       k_cache.shape[2], q.device, num_splits=num_splits, block_n=block_n,
-                       dtype=q.dtype)
+    plan = plan_decode(
+        range(q.shape[0]),
+        seq_lens,
+        kv_start,
+        q.shape[1] // k_cache.shape[2],
+        k_cache.shape[2],
+        q.device,
+        num_splits=num_splits,
+        block_n=block_n,
+        dtype=q.dtype,
+    )
     return run_decode(plan, q, k_cache, v_cache, block_tables, scale, out)

@@ -19,8 +19,13 @@ from ._triton import require_triton
 
 
 def extend_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start: Sequence[int], seq_lens: Sequence[int], scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: Sequence[int],
+    seq_lens: Sequence[int],
+    scale: float,
 ) -> torch.Tensor:
     """Reference: q `[T, Hq, D]` -> `[T, Hq, D]` (rows outside every sequence stay zero)."""
     out = torch.zeros_like(q)
@@ -47,8 +52,14 @@ class ExtendPlan:
 
 
 def plan_extend(
-    seqs: Sequence[int], query_start: Sequence[int], seq_lens: Sequence[int], group: int,
-    device: torch.device, *, block_m: int | None = None, block_n: int | None = None,
+    seqs: Sequence[int],
+    query_start: Sequence[int],
+    seq_lens: Sequence[int],
+    group: int,
+    device: torch.device,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> ExtendPlan:
     """Tiles of consecutive new tokens for the listed sequences; output rows = q rows."""
@@ -60,30 +71,62 @@ def plan_extend(
         if e > s:
             items.append((s, e - s, i, 0, seq_lens[i], seq_lens[i] - (e - s), s))
     longest = max((seq_lens[i] for i in seqs), default=1)
-    return ExtendPlan(ak.make_tiles(items, group, block_m, device), max(longest, 1),
-                      block_m, block_n)
+    return ExtendPlan(
+        ak.make_tiles(items, group, block_m, device), max(longest, 1), block_m, block_n
+    )
 
 
 def run_extend(
-    plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, out: torch.Tensor,
+    plan: ExtendPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """Write the planned rows of `out` (`[T, Hq, D]`, same dtype as q)."""
-    ak.launch(q, k_cache, v_cache, block_tables, plan.tiles, out.unsqueeze(0), None, scale,
-              split_len=plan.split_len, causal=True, block_m=plan.block_m,
-              block_n=plan.block_n)
+    ak.launch(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        plan.tiles,
+        out.unsqueeze(0),
+        None,
+        scale,
+        split_len=plan.split_len,
+        causal=True,
+        block_m=plan.block_m,
+        block_n=plan.block_n,
+    )
 
 
 def extend_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start: Sequence[int], seq_lens: Sequence[int], scale: float, *,
-    out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: Sequence[int],
+    seq_lens: Sequence[int],
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `extend_attention_ref` (rows outside every sequence are untouched)."""
     require_triton()
     out = torch.empty_like(q) if out is None else out
-    plan = plan_extend(range(len(seq_lens)), query_start, seq_lens,
-                       q.shape[1] // k_cache.shape[2], q.device, block_m=block_m,
-                       block_n=block_n, dtype=q.dtype)
+    plan = plan_extend(
+        range(len(seq_lens)),
+        query_start,
+        seq_lens,
+        q.shape[1] // k_cache.shape[2],
+        q.device,
+        block_m=block_m,
+        block_n=block_n,
+        dtype=q.dtype,
+    )
     run_extend(plan, q, k_cache, v_cache, block_tables, scale, out)
     return out

@@ -15,7 +15,9 @@ from ._triton import jit, launch_guard, next_pow2, require_triton, tl
 
 
 def merge_states_ref(
-    o_parts: torch.Tensor, lse_parts: torch.Tensor, out_dtype: torch.dtype | None = None,
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o_parts `[S, ..., D]`, lse_parts `[S, ...]` -> (out `[..., D]`, lse `[...]`)."""
     lse_parts = lse_parts.float()
@@ -28,9 +30,18 @@ def merge_states_ref(
 
 @jit
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, lse_out_ptr, num_parts, num_rows,
-    stride_os, stride_or, stride_ls,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    lse_out_ptr,
+    num_parts,
+    num_rows,
+    stride_os,
+    stride_or,
+    stride_ls,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
     # a tile of BLOCK_R (token, head) rows; two passes over the parts: max, then sum
@@ -48,22 +59,30 @@ def _merge_kernel(
     for s in range(0, num_parts):
         lse_s = tl.load(lse_ptr + s * stride_ls + rows, mask=r_ok, other=float("-inf"))
         w = tl.exp(lse_s - m_safe)
-        o_s = tl.load(o_ptr + s * stride_os + rows[:, None] * stride_or + ds[None, :],
-                      mask=mask, other=0.0)
+        o_s = tl.load(
+            o_ptr + s * stride_os + rows[:, None] * stride_or + ds[None, :], mask=mask, other=0.0
+        )
         acc += w[:, None] * o_s.to(tl.float32)
         total += w
     has = total > 0.0
     out = acc / tl.where(has, total, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * HEAD_DIM + ds[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * HEAD_DIM + ds[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
     if STORE_LSE:
         lse = tl.where(has, m_safe + tl.log(tl.where(has, total, 1.0)), float("-inf"))
         tl.store(lse_out_ptr + rows, lse, mask=r_ok)
 
 
 def merge_states_triton(
-    o_parts: torch.Tensor, lse_parts: torch.Tensor, out_dtype: torch.dtype | None = None,
-    *, out: torch.Tensor | None = None, want_lse: bool = True,
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    want_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton version of `merge_states_ref`; `out` (contiguous) may be given."""
     require_triton()
@@ -84,9 +103,19 @@ def merge_states_triton(
     block_r = 16
     with launch_guard():
         _merge_kernel[(triton_cdiv(rows, block_r),)](
-            o2, l2, out, lse if lse is not None else l2, s, rows,
-            o2.stride(0), o2.stride(1), l2.stride(0),
-            HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=next_pow2(d), STORE_LSE=want_lse,
+            o2,
+            l2,
+            out,
+            lse if lse is not None else l2,
+            s,
+            rows,
+            o2.stride(0),
+            o2.stride(1),
+            l2.stride(0),
+            HEAD_DIM=d,
+            BLOCK_R=block_r,
+            BLOCK_D=next_pow2(d),
+            STORE_LSE=want_lse,
         )
     return out, lse
 

@@ -34,8 +34,14 @@ from .merge import merge_states_triton
 
 
 def shared_prefix_decode_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: Sequence[int], prefix_len: int, prefix_blocks: Sequence[int], scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: Sequence[int],
+    prefix_len: int,
+    prefix_blocks: Sequence[int],
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for one group: q `[n, Hq, D]`, query i the last token of sequence i.
 
@@ -79,9 +85,16 @@ class SharedPrefixPlan:
 
 
 def plan_shared_prefix(
-    groups: Sequence[GroupSpec], group: int, num_kv_heads: int, block_size: int,
-    device: torch.device, *, prefix_splits: int | None = None,
-    suffix_splits: int | None = None, block_n: int | None = None, max_block_m: int = 128,
+    groups: Sequence[GroupSpec],
+    group: int,
+    num_kv_heads: int,
+    block_size: int,
+    device: torch.device,
+    *,
+    prefix_splits: int | None = None,
+    suffix_splits: int | None = None,
+    block_n: int | None = None,
+    max_block_m: int = 128,
     dtype: torch.dtype | None = None,
 ) -> SharedPrefixPlan:
     """Plan the passes for groups whose members are packed in order in q.
@@ -102,8 +115,9 @@ def plan_shared_prefix(
             raise ValueError(f"prefix_len {g.prefix_len} exceeds a member's context")
         need = math.ceil(g.prefix_len / block_size)
         if len(g.prefix_blocks) < need:
-            raise ValueError(f"prefix of {g.prefix_len} tokens needs {need} blocks, "
-                             f"got {len(g.prefix_blocks)}")
+            raise ValueError(
+                f"prefix of {g.prefix_len} tokens needs {need} blocks, got {len(g.prefix_blocks)}"
+            )
         width = max(width, len(g.prefix_blocks))
         # prefix pass: non-causal (every prefix position precedes each member's query)
         items.append((row, n, gi, 0, g.prefix_len, 0, row))
@@ -121,52 +135,112 @@ def plan_shared_prefix(
         prefix_splits = ak.choose_splits(tiles.shape[0] * num_kv_heads, longest, block_n, device)
     split_len = math.ceil(max(longest, 1) / max(1, prefix_splits) / block_n) * block_n
     prefix_splits = math.ceil(max(longest, 1) / split_len)
-    suffix = plan_decode(q_rows, lens, starts, group, num_kv_heads, device,
-                         num_splits=suffix_splits, block_n=block_n, table_rows=tables,
-                         dtype=dtype)
-    return SharedPrefixPlan(tiles, prefix_tables.to(device), prefix_splits, split_len,
-                            block_m, block_n, suffix, row)
+    suffix = plan_decode(
+        q_rows,
+        lens,
+        starts,
+        group,
+        num_kv_heads,
+        device,
+        num_splits=suffix_splits,
+        block_n=block_n,
+        table_rows=tables,
+        dtype=dtype,
+    )
+    return SharedPrefixPlan(
+        tiles, prefix_tables.to(device), prefix_splits, split_len, block_m, block_n, suffix, row
+    )
 
 
 def run_shared_prefix(
-    plan: SharedPrefixPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    plan: SharedPrefixPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: packed members `[rows, Hq, D]` -> (out `[rows, Hq, D]`, lse `[rows, Hq]`)."""
     _, hq, d = q.shape
     s1, s2 = plan.prefix_splits, plan.suffix.num_splits
     parts = torch.empty(s1 + s2, plan.num_rows, hq, d, dtype=torch.float32, device=q.device)
     lse_parts = torch.empty(s1 + s2, plan.num_rows, hq, dtype=torch.float32, device=q.device)
-    ak.launch(q, k_cache, v_cache, plan.prefix_tables, plan.prefix_tiles, parts[:s1],
-              lse_parts[:s1], scale, split_len=plan.prefix_split_len, causal=False,
-              block_m=plan.prefix_block_m, block_n=plan.block_n)
-    ak.launch(q, k_cache, v_cache, block_tables, plan.suffix.tiles, parts[s1:],
-              lse_parts[s1:], scale, split_len=plan.suffix.split_len, causal=False,
-              block_m=plan.suffix.block_m, block_n=plan.suffix.block_n)
+    ak.launch(
+        q,
+        k_cache,
+        v_cache,
+        plan.prefix_tables,
+        plan.prefix_tiles,
+        parts[:s1],
+        lse_parts[:s1],
+        scale,
+        split_len=plan.prefix_split_len,
+        causal=False,
+        block_m=plan.prefix_block_m,
+        block_n=plan.block_n,
+    )
+    ak.launch(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        plan.suffix.tiles,
+        parts[s1:],
+        lse_parts[s1:],
+        scale,
+        split_len=plan.suffix.split_len,
+        causal=False,
+        block_m=plan.suffix.block_m,
+        block_n=plan.suffix.block_n,
+    )
     out, lse = merge_states_triton(parts, lse_parts, q.dtype, out=out)
     assert lse is not None
     return out, lse
 
 
 def shared_prefix_decode_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: Sequence[int], prefix_len: int, prefix_blocks: Sequence[int], scale: float, *,
-    prefix_splits: int | None = None, suffix_splits: int | None = None,
-    block_n: int | None = None, max_block_m: int = 128, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: Sequence[int],
+    prefix_len: int,
+    prefix_blocks: Sequence[int],
+    scale: float,
+    *,
+    prefix_splits: int | None = None,
+    suffix_splits: int | None = None,
+    block_n: int | None = None,
+    max_block_m: int = 128,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `shared_prefix_decode_ref` (one group)."""
     require_triton()
     spec = GroupSpec(list(range(q.shape[0])), list(seq_lens), prefix_len, list(prefix_blocks))
     hkv = k_cache.shape[2]
-    plan = plan_shared_prefix([spec], q.shape[1] // hkv, hkv, k_cache.shape[1], q.device,
-                              prefix_splits=prefix_splits, suffix_splits=suffix_splits,
-                              block_n=block_n, max_block_m=max_block_m, dtype=q.dtype)
+    plan = plan_shared_prefix(
+        [spec],
+        q.shape[1] // hkv,
+        hkv,
+        k_cache.shape[1],
+        q.device,
+        prefix_splits=prefix_splits,
+        suffix_splits=suffix_splits,
+        block_n=block_n,
+        max_block_m=max_block_m,
+        dtype=q.dtype,
+    )
     return run_shared_prefix(plan, q, k_cache, v_cache, block_tables, scale, out)
 
 
 def prefix_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_len: int,
-    prefix_blocks: Sequence[int], scale: float,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_len: int,
+    prefix_blocks: Sequence[int],
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix pass alone: every query against the prefix -> (o fp32, lse)."""
     k = gather_kv(k_cache, list(prefix_blocks), 0, prefix_len)

@@ -25,7 +25,10 @@ class Admission:
     """Admission checks against the manager's caps, engines and ready queue."""
 
     def __init__(
-        self, max_calls_per_run: int, max_calls_per_tenant: int, engines: EngineSet,
+        self,
+        max_calls_per_run: int,
+        max_calls_per_tenant: int,
+        engines: EngineSet,
         queue: ReadyQueue,
     ) -> None:
         self.max_calls_per_run = max_calls_per_run
@@ -40,7 +43,10 @@ class Admission:
             raise ProgramError(f"{what} would have {n_calls} calls; a run holds at most {cap}")
 
     def check_calls(
-        self, calls: Iterable[Call], tenant: str | None, values: Mapping[str, str],
+        self,
+        calls: Iterable[Call],
+        tenant: str | None,
+        values: Mapping[str, str],
         limits: bool = True,
     ) -> None:
         """Raise if `calls` do not fit the model (`limits`) or would make more calls of

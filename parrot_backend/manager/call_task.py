@@ -76,7 +76,8 @@ def new_context_id(prefix: str = "call") -> str:
 # `config.to_sampling()`, made once per config object: configs are frozen and shared
 # across runs (`ingest.py`), and so is the SamplingParams engines are given.
 sampling_of: IdentityCache[GenerationConfig, SamplingParams] = IdentityCache(
-    GenerationConfig.to_sampling)
+    GenerationConfig.to_sampling
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -250,8 +251,12 @@ async def run_call(
             if o in values:
                 known[o] = values[o]
         await runner.run(r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value)
-        finished = {"call": name, "prompt_tokens": len(r.plan.prompt),
-                    "completion_tokens": runner.tokens, "finish_reasons": runner.finishes}
+        finished = {
+            "call": name,
+            "prompt_tokens": len(r.plan.prompt),
+            "completion_tokens": runner.tokens,
+            "finish_reasons": runner.finishes,
+        }
     except asyncio.CancelledError:
         await _cleanup(m, runner, engine_id, keys)
         raise

@@ -72,9 +72,7 @@ def dispatch_window(queue: ReadyQueue, slots: int, old: float) -> list[ReadyCall
         if want_latency:
             if not queue.latency:
                 continue
-            source: Iterable[ReadyCall] = [
-                r for r in pending.values() if r.objective == "latency"
-            ]
+            source: Iterable[ReadyCall] = [r for r in pending.values() if r.objective == "latency"]
         else:
             source = pending.values()
         for fair in (True, False):
@@ -87,9 +85,9 @@ def dispatch_window(queue: ReadyQueue, slots: int, old: float) -> list[ReadyCall
                     continue
                 if fair:
                     tenant = r.run.tenant
-                    if by_tenant.get(tenant, 0) >= share or taken.get(
-                        r.run.run_id, 0
-                    ) >= max(1, share // tenants[tenant]):
+                    if by_tenant.get(tenant, 0) >= share or taken.get(r.run.run_id, 0) >= max(
+                        1, share // tenants[tenant]
+                    ):
                         continue
                 take(r)
     return list(chosen.values())

@@ -140,9 +140,7 @@ class Dispatcher:
                     r.static_key = prefixes[0].key
             out.append(r)
         for r, error in failed:  # (fail_calls takes each off the queue)
-            await m.transitions.fail_calls(
-                r.run, {r.name: f"rendering the call failed: {error}"}
-            )
+            await m.transitions.fail_calls(r.run, {r.name: f"rendering the call failed: {error}"})
         return out
 
     def _start(self, r: ReadyCall, engine_id: str) -> None:

@@ -219,8 +219,12 @@ class Manager:
         if known is None:  # a new run (a recovered one was admitted in its first life)
             self.admission.check_size(len(program.calls), "the program")
             # (default configs fit any model: limits only when a call gives its own)
-            self.admission.check_calls(program.calls.values(), tenant, spec.inputs,
-                                       limits=any(c.outputs for c in spec.program.calls))
+            self.admission.check_calls(
+                program.calls.values(),
+                tenant,
+                spec.inputs,
+                limits=any(c.outputs for c in spec.program.calls),
+            )
         known = dict(known or {})
         stray = [n for n in known if n not in program.variables or program.variables[n].is_input]
         if stray:

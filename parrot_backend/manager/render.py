@@ -115,8 +115,12 @@ class PromptTokenizer:
         if pre_tokenizer is not None and backend.normalizer is None:
             pre = pre_tokenizer.pre_tokenize_str  # spans index the text only unnormalized
         specials = getattr(engine, "special_token_ids", None) or {}
-        return cls(engine.tokenize, tokenize_data=lambda text: engine.tokenize(text, data=True),
-                   pre_tokenize=pre, specials=specials)
+        return cls(
+            engine.tokenize,
+            tokenize_data=lambda text: engine.tokenize(text, data=True),
+            pre_tokenize=pre,
+            specials=specials,
+        )
 
     def __call__(self, text: str) -> tuple[int, ...]:
         """Tokens of template text alone (cached)."""

@@ -45,22 +45,28 @@ class GenerationConfig(BaseModel):
     stop: list[NonEmpty] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     json_schema: dict[str, Any] | None = Field(
-        None, description="the value is JSON matching this schema (`{}`: any JSON value)")
+        None, description="the value is JSON matching this schema (`{}`: any JSON value)"
+    )
     regex: NonEmpty | None = Field(
-        None, description="the whole value matches this regular expression (Rust syntax)")
+        None, description="the whole value matches this regular expression (Rust syntax)"
+    )
     choice: list[NonEmpty] | None = Field(
-        None, min_length=1, description="the value is one of these strings")
+        None, min_length=1, description="the value is one of these strings"
+    )
 
     @model_validator(mode="after")
     def _check_type(self) -> GenerationConfig:
         """At most one type; no stop strings with it; a grammar the engine can compile."""
         given = [name for name in _TYPED if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"an output has at most one of json_schema, regex and choice; "
-                             f"got {' and '.join(given)}")
+            raise ValueError(
+                f"an output has at most one of json_schema, regex and choice; "
+                f"got {' and '.join(given)}"
+            )
         if given and self.stop:
-            raise ValueError(f"stop cannot be combined with {given[0]}: the grammar decides "
-                             f"where the value ends")
+            raise ValueError(
+                f"stop cannot be combined with {given[0]}: the grammar decides where the value ends"
+            )
         constraint = self.constraint()
         if constraint is not None:
             # the grammar library (llguidance, no torch) is loaded only for typed outputs
@@ -106,15 +112,18 @@ class GenerationConfig(BaseModel):
         """What does not fit a model with this vocabulary and context (none: fits)."""
         out = []
         if max_model_len is not None and self.max_tokens > max_model_len:
-            out.append(f"max_tokens {self.max_tokens} exceeds the model's context of "
-                       f"{max_model_len} tokens")
+            out.append(
+                f"max_tokens {self.max_tokens} exceeds the model's context of "
+                f"{max_model_len} tokens"
+            )
         if vocab_size is not None:
             if self.top_k > vocab_size:
                 out.append(f"top_k {self.top_k} exceeds the vocabulary size {vocab_size}")
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             if bad:
-                out.append(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                           f"(0..{vocab_size - 1})")
+                out.append(
+                    f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
+                )
         return out
 
     def to_sampling(self) -> SamplingParams:

@@ -48,7 +48,6 @@ def check_texts(data: Any, path: str = "") -> None:
             stack.extend((value, f"{where}[{i}]") for i, value in enumerate(item))
 
 
-
 class StorableModel(BaseModel):
     """Base of request bodies: every string in the body, keys too, must be storable
     (checked once on the raw body, before any field is validated: a 400 naming it)."""

@@ -72,7 +72,7 @@ def create_app(
     app = FastAPI(
         title="parrot-backend",
         summary="Application-aware LLM serving (Parrot): native runs of programs with "
-                "semantic variables, and an OpenAI-compatible API",
+        "semantic variables, and an OpenAI-compatible API",
         version="0.1.0",
         lifespan=lifespan,
     )
@@ -97,8 +97,9 @@ def create_app(
         app.include_router(registry.router)
     # Added last = outermost: auth first (cheap, rejects strangers before we buffer their
     # bodies), then the body limit, then FastAPI.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
-                       on_reject=metrics.reject)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject
+    )
     app.add_middleware(AuthMiddleware, authenticator=authenticator, on_reject=metrics.reject)
     if settings.auth_enabled:
         _document_bearer_auth(app)
@@ -117,7 +118,9 @@ def _document_bearer_auth(app: FastAPI) -> None:
             return app.openapi_schema
         schema = build()
         schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearerAuth"] = {
-            "type": "http", "scheme": "bearer"}
+            "type": "http",
+            "scheme": "bearer",
+        }
         for path, operations in schema.get("paths", {}).items():
             if path not in OPEN_PATHS:
                 for operation in operations.values():

@@ -29,8 +29,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import error_body
 from .settings import ServerSettings
 
-OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
-                        "/", "/ui", "/ui/"})
+OPEN_PATHS = frozenset(
+    {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/", "/ui", "/ui/"}
+)
 UI_STATIC_PREFIX = "/ui/static/"  # the web page's files (no data: the page asks for a key)
 # routes that check the operator key themselves (engine registration): tenant keys are not
 # what protects them, so the tenant middleware lets them through to that check
@@ -92,18 +93,23 @@ def grant_key(secret: bytes) -> bytes:
     return hmac.new(secret, _GRANT_CONTEXT, hashlib.sha256).digest()
 
 
-def mint_events_grant(key: bytes, tenant: str, run_id: str, *, ttl_s: float = GRANT_TTL_S,
-                      now: float | None = None) -> str:
+def mint_events_grant(
+    key: bytes, tenant: str, run_id: str, *, ttl_s: float = GRANT_TTL_S, now: float | None = None
+) -> str:
     """A signed grant to read `run_id`'s events as `tenant` until `now + ttl_s`."""
     expires = int((time.time() if now is None else now) + ttl_s)
-    body = _b64(json.dumps({"t": tenant, "r": run_id, "e": expires},
-                           separators=(",", ":")).encode("utf-8", "surrogatepass"))
+    body = _b64(
+        json.dumps({"t": tenant, "r": run_id, "e": expires}, separators=(",", ":")).encode(
+            "utf-8", "surrogatepass"
+        )
+    )
     sig = _b64(hmac.new(key, body.encode("ascii"), hashlib.sha256).digest())
     return f"{body}.{sig}"
 
 
-def events_grant_tenant(key: bytes, token: str | None, run_id: str, *,
-                        now: float | None = None) -> str | None:
+def events_grant_tenant(
+    key: bytes, token: str | None, run_id: str, *, now: float | None = None
+) -> str | None:
     """The tenant of a valid, unexpired grant for `run_id`; None for anything else
     (forged, altered, expired, for another run, malformed)."""
     if not token or token.count(".") != 1 or len(token) > 2048:
@@ -176,8 +182,12 @@ class AuthMiddleware:
             return
         state = scope.setdefault("state", {})
         path = scope["path"]
-        if (path in OPEN_PATHS or path.startswith(UI_STATIC_PREFIX) or path == OPERATOR_PREFIX
-                or path.startswith(OPERATOR_PREFIX + "/")):
+        if (
+            path in OPEN_PATHS
+            or path.startswith(UI_STATIC_PREFIX)
+            or path == OPERATOR_PREFIX
+            or path.startswith(OPERATOR_PREFIX + "/")
+        ):
             state["tenant"] = None
             await self.app(scope, receive, send)
             return
@@ -188,8 +198,9 @@ class AuthMiddleware:
             # a browser's EventSource: an events grant, for the events route only
             match = _EVENTS_PATH.fullmatch(path)
             if match is not None and GRANT_COOKIE in request.cookies:
-                tenant = events_grant_tenant(self.authenticator.grant_key,
-                                             request.cookies[GRANT_COOKIE], match.group(1))
+                tenant = events_grant_tenant(
+                    self.authenticator.grant_key, request.cookies[GRANT_COOKIE], match.group(1)
+                )
                 if tenant is None:
                     if self.on_reject is not None:
                         self.on_reject("auth")
@@ -204,25 +215,25 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _send_401(scope: Scope, send: Send, missing: bool,
-                    message: str | None = None) -> None:
+async def _send_401(scope: Scope, send: Send, missing: bool, message: str | None = None) -> None:
     message = message or (
-        "missing API key: send 'Authorization: Bearer <key>'" if missing
-        else "invalid API key"
+        "missing API key: send 'Authorization: Bearer <key>'" if missing else "invalid API key"
     )
     body = json.dumps(error_body(message, "authentication_error", None, "invalid_api_key"))
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008})
         return
-    await send({
-        "type": "http.response.start",
-        "status": 401,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"www-authenticate", b'Bearer realm="parrot"'),
-            (b"content-length", str(len(body)).encode()),
-        ],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"www-authenticate", b'Bearer realm="parrot"'),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body.encode()})
 
 

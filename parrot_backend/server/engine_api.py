@@ -82,8 +82,9 @@ class EngineKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "missing API key" if not header else "invalid API key"
-        response = error_response(401, "Unauthorized",
-                                  f"{message}: send 'Authorization: Bearer <engine key>'")
+        response = error_response(
+            401, "Unauthorized", f"{message}: send 'Authorization: Bearer <engine key>'"
+        )
         response.headers["WWW-Authenticate"] = 'Bearer realm="parrot-engine"'
         await response(scope, receive, send)
 
@@ -115,8 +116,7 @@ async def _race_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, 
 def _tokenizer_files(tokenizer) -> TokenizerFiles:
     with tempfile.TemporaryDirectory(prefix="parrot-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
-        files = {p.name: p.read_text("utf-8") for p in sorted(Path(tmp).iterdir())
-                 if p.is_file()}
+        files = {p.name: p.read_text("utf-8") for p in sorted(Path(tmp).iterdir()) if p.is_file()}
     digest = hashlib.sha256()
     for name, text in files.items():
         digest.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
@@ -143,8 +143,12 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
             if manage_engine:
                 await engine.stop()
 
-    app = FastAPI(title="parrot-backend engine", version="0.1.0", lifespan=lifespan,
-                  summary="fill / generate / free / stats on one engine (for a manager)")
+    app = FastAPI(
+        title="parrot-backend engine",
+        version="0.1.0",
+        lifespan=lifespan,
+        summary="fill / generate / free / stats on one engine (for a manager)",
+    )
     app.state.engine = engine
 
     @app.exception_handler(EngineError)
@@ -195,25 +199,49 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
     async def stats() -> dict[str, Any]:
         return dataclasses.asdict(await engine.stats())
 
-    @app.post("/engine/fill", response_model=FillResponse,
-              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-                         409: {"model": ErrorResponse}, 507: {"model": ErrorResponse}})
+    @app.post(
+        "/engine/fill",
+        response_model=FillResponse,
+        responses={
+            400: {"model": ErrorResponse},
+            404: {"model": ErrorResponse},
+            409: {"model": ErrorResponse},
+            507: {"model": ErrorResponse},
+        },
+    )
     async def fill(body: FillRequest, request: Request) -> FillResponse | JSONResponse:
-        gone, length = await _race_disconnect(request, engine.fill(
-            body.context_id, body.parent_id, body.token_ids, salt=body.salt,
-            priority=body.priority))
+        gone, length = await _race_disconnect(
+            request,
+            engine.fill(
+                body.context_id,
+                body.parent_id,
+                body.token_ids,
+                salt=body.salt,
+                priority=body.priority,
+            ),
+        )
         if gone:  # nobody reads this; the fill was cancelled
             return error_response(503, "RequestCancelled", "client disconnected")
         return FillResponse(length=length)
 
-    @app.post("/engine/generate", response_model=None,
-              responses={200: {"description": "server-sent events, one TokenDelta each",
-                               "content": {"text/event-stream": {}}},
-                         400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-                         409: {"model": ErrorResponse}, 507: {"model": ErrorResponse}})
+    @app.post(
+        "/engine/generate",
+        response_model=None,
+        responses={
+            200: {
+                "description": "server-sent events, one TokenDelta each",
+                "content": {"text/event-stream": {}},
+            },
+            400: {"model": ErrorResponse},
+            404: {"model": ErrorResponse},
+            409: {"model": ErrorResponse},
+            507: {"model": ErrorResponse},
+        },
+    )
     async def generate(body: GenerateRequest, request: Request):
-        deltas = engine.generate(body.context_id, body.parent_id, body.sampling,
-                                 salt=body.salt, priority=body.priority)
+        deltas = engine.generate(
+            body.context_id, body.parent_id, body.sampling, salt=body.salt, priority=body.priority
+        )
         # Wait for the first delta before answering, so request errors get a status code.
         try:
             gone, first = await _race_disconnect(request, anext(deltas))
@@ -235,11 +263,15 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
 
         # on_close runs even when the client left before the first frame was sent: closing
         # the engine's iterator is what cancels the generation.
-        return ClosingEventSourceResponse(events(), on_close=deltas.aclose, ping_s=PING_S,
-                                          send_timeout_s=SEND_TIMEOUT_S)
+        return ClosingEventSourceResponse(
+            events(), on_close=deltas.aclose, ping_s=PING_S, send_timeout_s=SEND_TIMEOUT_S
+        )
 
-    @app.post("/engine/free", response_model=OkResponse,
-              responses={404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}})
+    @app.post(
+        "/engine/free",
+        response_model=OkResponse,
+        responses={404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}},
+    )
     async def free(body: FreeRequest) -> OkResponse:
         await engine.free(body.context_id)
         return OkResponse()

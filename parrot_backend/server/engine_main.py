@@ -48,29 +48,54 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="local checkpoint folder, .gguf file, or the default model name")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="local checkpoint folder, .gguf file, or the default model name",
+    )
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pool size in blocks (default: sized from free memory)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (default: sized from free memory)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the engine API listens on")
     p.add_argument("--port", type=int, default=8100, help="port (0: any free port)")
-    p.add_argument("--api-key", default=None,
-                   help="Bearer key of the engine API (default: $PARROT_ENGINE_API_KEY); "
-                        "required: the engine API is never open")
-    p.add_argument("--manager", default=None,
-                   help="manager base URL to register with (e.g. http://10.0.0.1:8000)")
-    p.add_argument("--manager-key", default=None,
-                   help="operator key for the manager's /v1/engines routes "
-                        "(default: $PARROT_MANAGER_KEY)")
-    p.add_argument("--engine-id", default=None,
-                   help="this engine's id at the manager (default: <hostname>-<port>)")
-    p.add_argument("--advertise-url", default=None,
-                   help="URL the manager should use to reach this engine "
-                        "(default: http://<host>:<port>; set it when --host is 0.0.0.0)")
-    p.add_argument("--heartbeat-s", type=float, default=None,
-                   help="heartbeat period (default: what the manager asks for)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="Bearer key of the engine API (default: $PARROT_ENGINE_API_KEY); "
+        "required: the engine API is never open",
+    )
+    p.add_argument(
+        "--manager",
+        default=None,
+        help="manager base URL to register with (e.g. http://10.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--manager-key",
+        default=None,
+        help="operator key for the manager's /v1/engines routes (default: $PARROT_MANAGER_KEY)",
+    )
+    p.add_argument(
+        "--engine-id",
+        default=None,
+        help="this engine's id at the manager (default: <hostname>-<port>)",
+    )
+    p.add_argument(
+        "--advertise-url",
+        default=None,
+        help="URL the manager should use to reach this engine "
+        "(default: http://<host>:<port>; set it when --host is 0.0.0.0)",
+    )
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=None,
+        help="heartbeat period (default: what the manager asks for)",
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -91,15 +116,17 @@ async def _manager_link(args, engine_id: str, url: str, api_key: str, model: str
     headers = {"Authorization": f"Bearer {args.manager_key}"}
     body = {"engine_id": engine_id, "url": url, "model_name": model, "api_key": api_key}
     backoff, registered, period = 0.5, False, args.heartbeat_s or 2.0
-    async with httpx.AsyncClient(base_url=args.manager.rstrip("/"), headers=headers,
-                                 timeout=10.0, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=args.manager.rstrip("/"), headers=headers, timeout=10.0, trust_env=False
+    ) as client:
         while True:
             try:
                 if not registered:
                     r = await client.post("/v1/engines/register", json=body)
                     if r.status_code in (401, 403, 409):
-                        raise Refused(f"manager refused registration ({r.status_code}): "
-                                      f"{r.text[:500]}")
+                        raise Refused(
+                            f"manager refused registration ({r.status_code}): {r.text[:500]}"
+                        )
                     r.raise_for_status()
                     registered = True
                     if args.heartbeat_s is None:
@@ -125,8 +152,10 @@ async def _manager_link(args, engine_id: str, url: str, api_key: str, model: str
 async def _deregister(args, engine_id: str) -> None:
     try:
         async with httpx.AsyncClient(timeout=3.0, trust_env=False) as client:
-            await client.delete(f"{args.manager.rstrip('/')}/v1/engines/{engine_id}",
-                                headers={"Authorization": f"Bearer {args.manager_key}"})
+            await client.delete(
+                f"{args.manager.rstrip('/')}/v1/engines/{engine_id}",
+                headers={"Authorization": f"Bearer {args.manager_key}"},
+            )
     except httpx.HTTPError:
         pass  # the manager will expire us anyway
 
@@ -141,8 +170,10 @@ def run_engine(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("PARROT_ENGINE_API_KEY")
     if not api_key:
-        print("error: the engine API needs a key: --api-key or $PARROT_ENGINE_API_KEY",
-              file=sys.stderr)
+        print(
+            "error: the engine API needs a key: --api-key or $PARROT_ENGINE_API_KEY",
+            file=sys.stderr,
+        )
         return 2
     args.manager_key = args.manager_key or os.environ.get("PARROT_MANAGER_KEY")
     if args.manager and not args.manager_key:
@@ -158,15 +189,15 @@ def run_engine(args: argparse.Namespace) -> int:
     url = (args.advertise_url or f"http://{host}:{port}").rstrip("/")
     engine_id = args.engine_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
     try:
-        engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                        num_blocks=args.num_blocks)
+        engine = Engine.from_pretrained(
+            args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks
+        )
         app = create_engine_app(engine, api_key=api_key, manage_engine=True)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sock.close()
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     failures: list[str] = []
 
     async def watch_engine() -> None:
@@ -218,8 +249,11 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="parrot-backend engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="parrot-backend engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_arguments(parser)
     return run_engine(parser.parse_args(argv))
 

@@ -51,8 +51,9 @@ class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
-    url: str = Field(min_length=1, max_length=2000,
-                     description="base URL the manager reaches the engine API at")
+    url: str = Field(
+        min_length=1, max_length=2000, description="base URL the manager reaches the engine API at"
+    )
     model_name: str = Field(min_length=1, max_length=500)
     api_key: str = Field(min_length=1, max_length=1000, description="the engine API's key")
 
@@ -169,16 +170,20 @@ class EngineRegistry:
     async def register(self, req: RegisterRequest) -> RegisterResponse:
         """Connect to the engine and add it; a known id is replaced (it restarted)."""
         if self.model_name is not None and req.model_name != self.model_name:
-            raise HTTPException(409, f"this manager serves {self.model_name!r}, "
-                                     f"not {req.model_name!r}")
+            raise HTTPException(
+                409, f"this manager serves {self.model_name!r}, not {req.model_name!r}"
+            )
         try:
             client = await self._connect(req.url, api_key=req.api_key)
         except EngineError as exc:
             raise HTTPException(400, f"cannot use the engine at {req.url}: {exc}") from exc
         if client.model_name != req.model_name:
             await client.aclose()
-            raise HTTPException(400, f"the engine at {req.url} serves {client.model_name!r}, "
-                                     f"not {req.model_name!r} as registered")
+            raise HTTPException(
+                400,
+                f"the engine at {req.url} serves {client.model_name!r}, "
+                f"not {req.model_name!r} as registered",
+            )
         if self.reset_on_register:
             try:
                 freed = await client.reset()
@@ -186,8 +191,9 @@ class EngineRegistry:
                 await client.aclose()
                 raise HTTPException(400, f"cannot reset the engine at {req.url}: {exc}") from exc
             if freed:
-                log.info("engine %s: freed %d contexts left by a previous manager",
-                         req.engine_id, freed)
+                log.info(
+                    "engine %s: freed %d contexts left by a previous manager", req.engine_id, freed
+                )
         async with self._lock:
             if req.engine_id in self._engines:
                 log.info("engine %s registered again (restarted); replacing it", req.engine_id)
@@ -201,9 +207,11 @@ class EngineRegistry:
                 log.exception("on_added failed for engine %s", req.engine_id)
                 raise HTTPException(503, f"the manager could not add the engine: {exc}") from exc
         log.info("engine %s registered at %s", req.engine_id, req.url)
-        return RegisterResponse(engine_id=req.engine_id,
-                                heartbeat_interval_s=self.heartbeat_interval_s,
-                                max_missed=self.max_missed)
+        return RegisterResponse(
+            engine_id=req.engine_id,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            max_missed=self.max_missed,
+        )
 
     def heartbeat(self, engine_id: str) -> bool:
         """Record a heartbeat; False for an unknown id (the engine must register again)."""
@@ -261,13 +269,16 @@ class EngineRegistry:
         scheme, _, key = header.partition(" ")
         given = hashlib.sha256(key.strip().encode("utf-8", "surrogatepass")).digest()
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._key_digest):
-            raise HTTPException(401 if not header else 403,
-                                "engine registration needs the operator key",
-                                headers={"WWW-Authenticate": 'Bearer realm="parrot-operator"'})
+            raise HTTPException(
+                401 if not header else 403,
+                "engine registration needs the operator key",
+                headers={"WWW-Authenticate": 'Bearer realm="parrot-operator"'},
+            )
 
     def _make_router(self) -> APIRouter:
-        router = APIRouter(prefix="/v1/engines", tags=["engines"],
-                           dependencies=[Depends(self._check_operator)])
+        router = APIRouter(
+            prefix="/v1/engines", tags=["engines"], dependencies=[Depends(self._check_operator)]
+        )
 
         @router.post("/register", response_model=RegisterResponse)
         async def register(body: RegisterRequest) -> RegisterResponse:
@@ -288,8 +299,14 @@ class EngineRegistry:
         @router.get("", response_model=list[EngineEntry])
         async def list_engines() -> list[EngineEntry]:
             now = self._clock()
-            return [EngineEntry(engine_id=eid, url=e.url, model_name=e.client.model_name,
-                                seconds_since_heartbeat=now - e.last_seen)
-                    for eid, e in self._engines.items()]
+            return [
+                EngineEntry(
+                    engine_id=eid,
+                    url=e.url,
+                    model_name=e.client.model_name,
+                    seconds_since_heartbeat=now - e.last_seen,
+                )
+                for eid, e in self._engines.items()
+            ]
 
         return router

@@ -55,8 +55,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else
-                                                 "invalid_request_error")
+        self.type = type or _TYPE_BY_STATUS.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
         self.param = param
         self.code = code
         self.headers = headers
@@ -78,19 +79,23 @@ def from_engine_error(exc: EngineError) -> APIError:
         return APIError(400, str(exc))
     if isinstance(exc, OutOfMemory):
         # The engine raises it only when the request cannot fit even alone: retrying won't help.
-        return APIError(400, f"request does not fit in the KV cache: {exc}",
-                        code="kv_cache_full")
+        return APIError(400, f"request does not fit in the KV cache: {exc}", code="kv_cache_full")
     if isinstance(exc, RequestCancelled):
-        return APIError(503, "the request was cancelled by the server",
-                        headers={"Retry-After": "1"})
+        return APIError(
+            503, "the request was cancelled by the server", headers={"Retry-After": "1"}
+        )
     if isinstance(exc, (ContextNotFound, ContextBusy)):
         log.error("engine context error (a server bug): %s", exc)
         return APIError(500, "internal error while scheduling the request", type="server_error")
     # Anything else: the engine is stopped or its loop died. 503 tells clients and load
     # balancers to retry elsewhere or later; the details stay in the log.
     log.error("engine unavailable: %r", exc)
-    return APIError(503, "the engine is unavailable; retry later", code="engine_unavailable",
-                    headers={"Retry-After": "5"})
+    return APIError(
+        503,
+        "the engine is unavailable; retry later",
+        code="engine_unavailable",
+        headers={"Retry-After": "5"},
+    )
 
 
 def _format_loc(loc: tuple) -> str:

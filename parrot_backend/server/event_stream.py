@@ -27,16 +27,16 @@ def frame(event: EventRecord) -> ServerSentEvent:
     return ServerSentEvent(data=data, event=event.type, id=str(event.seq))
 
 
-async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
-                 after: int) -> AsyncIterator[ServerSentEvent]:
+async def follow(
+    rt: NativeRuntime, tenant_id: int, run_id: str, after: int
+) -> AsyncIterator[ServerSentEvent]:
     """Events after `after`, then live ones until the run finishes."""
     store = rt.store
     rt.notifier.attach(run_id)
     try:
         while True:
             changed = rt.notifier.watch(run_id)  # before the read: no commit slips by
-            events = await asyncio.to_thread(store.read_events, tenant_id, run_id, after,
-                                             BATCH)
+            events = await asyncio.to_thread(store.read_events, tenant_id, run_id, after, BATCH)
             for event in events:
                 after = event.seq
                 yield frame(event)
@@ -47,7 +47,10 @@ async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
             if not events:
                 detail = await asyncio.to_thread(store.get_run, tenant_id, run_id)
                 if detail.run.finished_at is not None and detail.run.status in (
-                        "done", "failed", "cancelled"):
+                    "done",
+                    "failed",
+                    "cancelled",
+                ):
                     # finished before we looked; its run_finished was sent or pruned
                     if await asyncio.to_thread(store.last_event_seq, run_id) <= after:
                         return
@@ -61,8 +64,15 @@ async def follow(rt: NativeRuntime, tenant_id: int, run_id: str,
         rt.notifier.detach(run_id)
 
 
-def event_response(rt: NativeRuntime, state: ServerState, tenant_id: int, run_id: str,
-                   after: int, *, status_code: int = 200) -> EventSourceResponse:
+def event_response(
+    rt: NativeRuntime,
+    state: ServerState,
+    tenant_id: int,
+    run_id: str,
+    after: int,
+    *,
+    status_code: int = 200,
+) -> EventSourceResponse:
     """The run's events after `after` as SSE, until `run_finished`; the run id travels in
     the `X-Parrot-Run-Id` header (a stream that creates the run names it there)."""
     settings = state.settings
@@ -71,6 +81,5 @@ def event_response(rt: NativeRuntime, state: ServerState, tenant_id: int, run_id
         status_code=status_code,
         ping=settings.sse_ping_s,
         send_timeout=settings.sse_send_timeout_s,
-        headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache",
-                 "X-Parrot-Run-Id": run_id},
+        headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache", "X-Parrot-Run-Id": run_id},
     )

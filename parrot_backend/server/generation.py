@@ -113,8 +113,9 @@ class RequestRun:
     async def __anext__(self) -> tuple[int, TokenDelta]:
         if self.n == 1:
             if self._iter is None:
-                self._iter = aiter(self.engine.generate(self.root_id, None, self.sampling,
-                                                        salt=self.salt))
+                self._iter = aiter(
+                    self.engine.generate(self.root_id, None, self.sampling, salt=self.salt)
+                )
             delta = await anext(self._iter)
             return self._record(0, delta)
         if self._queue is None:
@@ -136,7 +137,8 @@ class RequestRun:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
                 self.metrics.ttft.labels(endpoint=self.endpoint).observe(
-                    self.first_token_at - self.started)
+                    self.first_token_at - self.started
+                )
         if delta.finish_reason is not None:
             self.finish_reasons[index] = delta.finish_reason
         return index, delta
@@ -150,8 +152,9 @@ class RequestRun:
 
     async def _pump(self, index: int, child_id: str) -> None:
         assert self._queue is not None
-        iterator = self.engine.generate(child_id, self.root_id, self._sampling_for(index),
-                                        salt=self.salt)
+        iterator = self.engine.generate(
+            child_id, self.root_id, self._sampling_for(index), salt=self.salt
+        )
         try:
             async for delta in iterator:
                 await self._queue.put((index, delta))
@@ -188,7 +191,8 @@ class RequestRun:
         outcome = "finished" if self.finished else "aborted"
         self.metrics.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
         self.metrics.latency.labels(endpoint=self.endpoint).observe(
-            time.perf_counter() - self.started)
+            time.perf_counter() - self.started
+        )
 
     async def _free(self, ctx: str) -> None:
         try:

@@ -58,17 +58,25 @@ class BodyLimitMiddleware:
     async def _reject(self, send: Send) -> None:
         if self.on_reject is not None:
             self.on_reject("body_too_large")
-        body = json.dumps(error_body(
-            f"request body too large: the limit is {self.max_bytes} bytes",
-            "invalid_request_error", None, "body_too_large",
-        )).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"connection", b"close")],
-        })
+        body = json.dumps(
+            error_body(
+                f"request body too large: the limit is {self.max_bytes} bytes",
+                "invalid_request_error",
+                None,
+                "body_too_large",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -125,8 +133,12 @@ def _starts_work(method: str, path: str) -> bool:
     """Native requests that add calls to the manager's queue."""
     if method != "POST":
         return False
-    return (path == "/v1/runs" or path.endswith("/calls") or path.endswith("/replay")
-            or (path.startswith("/v1/workflows/") and path.endswith("/runs")))
+    return (
+        path == "/v1/runs"
+        or path.endswith("/calls")
+        or path.endswith("/replay")
+        or (path.startswith("/v1/workflows/") and path.endswith("/runs"))
+    )
 
 
 def check_backlog(request: Request) -> None:

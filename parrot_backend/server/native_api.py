@@ -57,38 +57,77 @@ async def owned(rt: NativeRuntime, tenant: str, run_id: str) -> RunRecord:
 
 
 def summary(run: RunRecord) -> RunSummary:
-    return RunSummary(run_id=run.id, status=run.status, open=run.open,
-                      outputs=dict(run.objectives), created_at=run.created_at,
-                      finished_at=run.finished_at, replay_of=run.replay_of,
-                      workflow_id=run.workflow_id, error=run.error)
+    return RunSummary(
+        run_id=run.id,
+        status=run.status,
+        open=run.open,
+        outputs=dict(run.objectives),
+        created_at=run.created_at,
+        finished_at=run.finished_at,
+        replay_of=run.replay_of,
+        workflow_id=run.workflow_id,
+        error=run.error,
+    )
 
 
 def variable_view(v: VariableRecord) -> VariableView:
-    return VariableView(name=v.name, status=v.status, value=v.value, error=v.error,  # type: ignore[arg-type]
-                        producer_call=v.producer_call, set_at=v.set_at, type=v.type)
+    return VariableView(
+        name=v.name,
+        status=v.status,
+        value=v.value,
+        error=v.error,  # type: ignore[arg-type]
+        producer_call=v.producer_call,
+        set_at=v.set_at,
+        type=v.type,
+    )
 
 
 def detail_view(d: RunDetail) -> RunDetailView:
     calls = [
-        CallView(idx=c.idx, name=c.name, inputs=list(c.inputs), outputs=list(c.outputs),
-                 status=c.status, engine=c.engine, objective=c.objective,
-                 task_group=c.task_group, attempts=c.attempts, queued_at=c.queued_at,
-                 started_at=c.started_at, first_token_at=c.first_token_at,
-                 finished_at=c.finished_at, completion_tokens=c.completion_tokens,
-                 error=c.error)
+        CallView(
+            idx=c.idx,
+            name=c.name,
+            inputs=list(c.inputs),
+            outputs=list(c.outputs),
+            status=c.status,
+            engine=c.engine,
+            objective=c.objective,
+            task_group=c.task_group,
+            attempts=c.attempts,
+            queued_at=c.queued_at,
+            started_at=c.started_at,
+            first_token_at=c.first_token_at,
+            finished_at=c.finished_at,
+            completion_tokens=c.completion_tokens,
+            error=c.error,
+        )
         for c in d.calls
     ]
-    return RunDetailView(run=summary(d.run), program=d.program, inputs=d.inputs,
-                         variables={n: variable_view(v) for n, v in d.variables.items()},
-                         calls=calls, task_groups=d.task_groups)
+    return RunDetailView(
+        run=summary(d.run),
+        program=d.program,
+        inputs=d.inputs,
+        variables={n: variable_view(v) for n, v in d.variables.items()},
+        calls=calls,
+        task_groups=d.task_groups,
+    )
 
 
-@router.post("/runs", response_model=RunCreated, status_code=201,
-             responses={201: {"content": {"text/event-stream": {}},
-                              "description": "with `stream=true`: the run's events as SSE "
-                                             "(its id in the X-Parrot-Run-Id header)"}})
-async def create_run(spec: RunSpec, rt: RuntimeDep, tenant: TenantDep, state: StateDep,
-                     stream: bool = False) -> Any:
+@router.post(
+    "/runs",
+    response_model=RunCreated,
+    status_code=201,
+    responses={
+        201: {
+            "content": {"text/event-stream": {}},
+            "description": "with `stream=true`: the run's events as SSE "
+            "(its id in the X-Parrot-Run-Id header)",
+        }
+    },
+)
+async def create_run(
+    spec: RunSpec, rt: RuntimeDep, tenant: TenantDep, state: StateDep, stream: bool = False
+) -> Any:
     """Create a run from a program, its inputs and the outputs a client waits for
     (`latency` or `throughput`). Returns once the run is committed; calls start at once.
     Chat calls (`messages`) are rendered with the model's chat template first. With
@@ -100,22 +139,23 @@ async def create_run(spec: RunSpec, rt: RuntimeDep, tenant: TenantDep, state: St
     if stream:
         from .event_stream import event_response
 
-        return event_response(rt, state, await rt.tenant_id(tenant), run_id, 0,
-                              status_code=201)
+        return event_response(rt, state, await rt.tenant_id(tenant), run_id, 0, status_code=201)
     return RunCreated(run_id=run_id)
 
 
 @router.get("/runs", response_model=RunList)
 async def list_runs(
-    rt: RuntimeDep, tenant: TenantDep,
+    rt: RuntimeDep,
+    tenant: TenantDep,
     status: Literal["pending", "running", "done", "failed", "cancelled"] | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
 ) -> RunList:
     """The tenant's runs, newest first."""
     tenant_id = await rt.tenant_id(tenant)
-    runs = await asyncio.to_thread(rt.store.list_runs, tenant_id, status=status,
-                                   limit=limit, offset=offset)
+    runs = await asyncio.to_thread(
+        rt.store.list_runs, tenant_id, status=status, limit=limit, offset=offset
+    )
     return RunList(runs=[summary(r) for r in runs])
 
 
@@ -131,8 +171,9 @@ async def get_run(run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep) -> RunDe
 
 
 @router.post("/runs/{run_id}/calls", response_model=CallsAdded)
-async def add_calls(run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep,
-                    tenant: TenantDep, state: StateDep) -> CallsAdded:
+async def add_calls(
+    run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep, tenant: TenantDep, state: StateDep
+) -> CallsAdded:
     """Add calls to an open run (they start as soon as their inputs have values), then set
     `inputs`, then close the run when `close` is true: a client continuing a run after
     running code of its own needs one request for all three."""
@@ -146,8 +187,11 @@ async def add_calls(run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep,
     for name in body.inputs:
         var = run.program.variables.get(name)
         if var is not None and var.producer is not None:
-            raise APIError(400, f"variable {name!r} is generated by call {var.producer!r}; "
-                                "only inputs can be set", code="not_an_input")
+            raise APIError(
+                400,
+                f"variable {name!r} is generated by call {var.producer!r}; only inputs can be set",
+                code="not_an_input",
+            )
         if name in run.values:
             raise APIError(409, f"input {name!r} already has a value", code="already_set")
     names: list[str] = []
@@ -158,8 +202,11 @@ async def add_calls(run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep,
             produced = {o for c in calls for o in c.build(0).outputs}
             clash = sorted(produced & set(body.inputs))
             if clash:
-                raise APIError(400, f"variables given as inputs cannot be generated: {clash}",
-                               code="program_error")
+                raise APIError(
+                    400,
+                    f"variables given as inputs cannot be generated: {clash}",
+                    code="program_error",
+                )
             names = await rt.manager.add_calls(run_id, calls)
         for name, value in body.inputs.items():
             await rt.manager.set_input(run_id, name, value)
@@ -169,8 +216,9 @@ async def add_calls(run_id: RunIdPath, body: AddCallsRequest, rt: RuntimeDep,
 
 
 @router.put("/runs/{run_id}/variables/{name}", response_model=VariableView)
-async def set_variable(run_id: RunIdPath, name: NamePath, body: SetVariableRequest,
-                       rt: RuntimeDep, tenant: TenantDep) -> VariableView:
+async def set_variable(
+    run_id: RunIdPath, name: NamePath, body: SetVariableRequest, rt: RuntimeDep, tenant: TenantDep
+) -> VariableView:
     """Give an input variable of an open run its value (once: a second value is a 409)."""
     await owned(rt, tenant, run_id)
     if not rt.live(tenant, run_id):
@@ -181,8 +229,11 @@ async def set_variable(run_id: RunIdPath, name: NamePath, body: SetVariableReque
         raise APIError(409, f"run {run_id} is {state}; it takes no inputs", code="run_closed")
     var = run.program.variables.get(name)
     if var is not None and var.producer is not None:
-        raise APIError(400, f"variable {name!r} is generated by call {var.producer!r}; "
-                            "only inputs can be set", code="not_an_input")
+        raise APIError(
+            400,
+            f"variable {name!r} is generated by call {var.producer!r}; only inputs can be set",
+            code="not_an_input",
+        )
     if name in run.values:
         raise APIError(409, f"input {name!r} already has a value", code="already_set")
     with client_errors(run_id):
@@ -201,8 +252,13 @@ async def close_run(run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep) -> Run
     return summary(await owned(rt, tenant, run_id))
 
 
-async def wait_value(rt: NativeRuntime, run_id: str, name: str,
-                     perf: Literal["latency", "throughput"], timeout: float) -> str:
+async def wait_value(
+    rt: NativeRuntime,
+    run_id: str,
+    name: str,
+    perf: Literal["latency", "throughput"],
+    timeout: float,
+) -> str:
     """`Manager.get`, working around a race in it: a `get` that changes the run's waits
     awaits the objective deduction (and its listeners) before it registers its future,
     and a value set meanwhile never resolves that future. A first `get` with no time
@@ -216,10 +272,16 @@ async def wait_value(rt: NativeRuntime, run_id: str, name: str,
 STORE_POLL_S = 0.2  # how often a server polls the store for a run another server runs
 
 
-@router.get("/runs/{run_id}/variables/{name}", response_model=VariableView,
-            responses={408: {"description": "not ready within `timeout`; ask again"}})
+@router.get(
+    "/runs/{run_id}/variables/{name}",
+    response_model=VariableView,
+    responses={408: {"description": "not ready within `timeout`; ask again"}},
+)
 async def get_variable(
-    run_id: RunIdPath, name: NamePath, rt: RuntimeDep, tenant: TenantDep,
+    run_id: RunIdPath,
+    name: NamePath,
+    rt: RuntimeDep,
+    tenant: TenantDep,
     perf: Literal["latency", "throughput"] = "latency",
     timeout: Annotated[float, Query(ge=0, le=MAX_POLL_S)] = 30.0,
 ) -> VariableView:
@@ -233,8 +295,9 @@ async def get_variable(
         try:
             await wait_value(rt, run_id, name, perf, timeout)
         except TimeoutError:
-            raise APIError(408, f"variable {name!r} not ready after {timeout:g} s; "
-                                "ask again", code="timeout") from None
+            raise APIError(
+                408, f"variable {name!r} not ready after {timeout:g} s; ask again", code="timeout"
+            ) from None
         except VariableFailed:
             pass
         except RunCancelled:
@@ -254,12 +317,16 @@ async def get_variable(
             return variable_view(var)
         run = await owned(rt, tenant, run_id)
         if run.status not in ("pending", "running"):
-            raise APIError(409, f"run {run_id} is {run.status}; variable {name!r} will not "
-                                "be produced", code="run_over")
+            raise APIError(
+                409,
+                f"run {run_id} is {run.status}; variable {name!r} will not be produced",
+                code="run_over",
+            )
         # another server sharing the database runs it (or is about to adopt it): poll
         if asyncio.get_running_loop().time() >= deadline:
-            raise APIError(408, f"variable {name!r} not ready after {timeout:g} s; "
-                                "ask again", code="timeout")
+            raise APIError(
+                408, f"variable {name!r} not ready after {timeout:g} s; ask again", code="timeout"
+            )
         await asyncio.sleep(STORE_POLL_S)
 
 

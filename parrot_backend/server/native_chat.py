@@ -31,8 +31,9 @@ class ChatCallError(ValueError):
     """A chat call that cannot be rendered (bad messages or a failing chat template)."""
 
 
-def lower_program(program: ProgramSpec, chat_template: str | None,
-                  special_tokens: dict[str, str]) -> ProgramSpec:
+def lower_program(
+    program: ProgramSpec, chat_template: str | None, special_tokens: dict[str, str]
+) -> ProgramSpec:
     """`program` with every chat call rendered into a template (the same object when it
     has none)."""
     if not any(isinstance(c, ChatCallSpec) for c in program.calls):
@@ -41,22 +42,28 @@ def lower_program(program: ProgramSpec, chat_template: str | None,
     return program.model_copy(update={"calls": calls})
 
 
-def lower_run(spec: RunSpec, chat_template: str | None,
-              special_tokens: dict[str, str]) -> RunSpec:
+def lower_run(spec: RunSpec, chat_template: str | None, special_tokens: dict[str, str]) -> RunSpec:
     """`spec` with its program's chat calls rendered."""
     program = lower_program(spec.program, chat_template, special_tokens)
     return spec if program is spec.program else spec.model_copy(update={"program": program})
 
 
-def lower_calls(calls: list[CallSpec | ChatCallSpec], chat_template: str | None,
-                special_tokens: dict[str, str], first: int) -> list[CallSpec]:
+def lower_calls(
+    calls: list[CallSpec | ChatCallSpec],
+    chat_template: str | None,
+    special_tokens: dict[str, str],
+    first: int,
+) -> list[CallSpec]:
     """Calls added to an open run, chat calls rendered (`first`: the first one's index)."""
-    return [lower_call(c, chat_template, special_tokens, first + i)
-            for i, c in enumerate(calls)]
+    return [lower_call(c, chat_template, special_tokens, first + i) for i, c in enumerate(calls)]
 
 
-def lower_call(call: CallSpec | ChatCallSpec, chat_template: str | None,
-               special_tokens: dict[str, str], index: int) -> CallSpec:
+def lower_call(
+    call: CallSpec | ChatCallSpec,
+    chat_template: str | None,
+    special_tokens: dict[str, str],
+    index: int,
+) -> CallSpec:
     """One call, its messages (if any) rendered into a template."""
     if not isinstance(call, ChatCallSpec):
         return call
@@ -65,22 +72,29 @@ def lower_call(call: CallSpec | ChatCallSpec, chat_template: str | None,
     messages: list[dict[str, Any]] = []
     *earlier, last = call.messages
     if last.role != "assistant":
-        raise ChatCallError(f"call {name!r}: the last message must be the assistant turn the "
-                            "call generates, e.g. {\"role\": \"assistant\", \"content\": "
-                            "\"{{output:answer}}\"}")
+        raise ChatCallError(
+            f"call {name!r}: the last message must be the assistant turn the "
+            'call generates, e.g. {"role": "assistant", "content": '
+            '"{{output:answer}}"}'
+        )
     for i, message in enumerate(earlier):
         segments = _parse(name, i, message.content)
         if any(isinstance(s, OutputRef) for s in segments):
-            raise ChatCallError(f"call {name!r}, message {i}: only the last (assistant) "
-                                "message may hold {{output:...}}")
+            raise ChatCallError(
+                f"call {name!r}, message {i}: only the last (assistant) "
+                "message may hold {{output:...}}"
+            )
         messages.append({"role": message.role, "content": _with_sentinels(segments, refs)})
     final = _parse(name, len(earlier), last.content)
     if not any(isinstance(s, OutputRef) for s in final):
-        raise ChatCallError(f"call {name!r}: the assistant message generates nothing; give it "
-                            "an {{output:NAME}}")
+        raise ChatCallError(
+            f"call {name!r}: the assistant message generates nothing; give it "
+            "an {{output:NAME}}"
+        )
     try:
-        prompt = render_chat(chat_template, messages, add_generation_prompt=True,
-                             special_tokens=special_tokens)
+        prompt = render_chat(
+            chat_template, messages, add_generation_prompt=True, special_tokens=special_tokens
+        )
     except ChatTemplateError as exc:
         raise ChatCallError(f"call {name!r}: {exc}") from None
     segments = _from_sentinels(name, prompt, refs) + final
@@ -127,6 +141,7 @@ def _from_sentinels(name: str, text: str, refs: list[InputRef | OutputRef]) -> l
     if pos < len(text):
         out.append(Text(text[pos:]))
     if sorted(seen) != list(range(len(refs))):
-        raise ChatCallError(f"call {name!r}: the chat template dropped or repeated a message's "
-                            "placeholders")
+        raise ChatCallError(
+            f"call {name!r}: the chat template dropped or repeated a message's placeholders"
+        )
     return out

@@ -40,5 +40,6 @@ def client_errors(run_id: str | None = None) -> Iterator[None]:
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), code="invalid_request") from None
     except TenantBusy as exc:
-        raise APIError(429, str(exc), code="tenant_busy",
-                       headers={"Retry-After": str(TENANT_RETRY_AFTER_S)}) from None
+        raise APIError(
+            429, str(exc), code="tenant_busy", headers={"Retry-After": str(TENANT_RETRY_AFTER_S)}
+        ) from None

@@ -26,8 +26,12 @@ from .state import StateDep
 router = APIRouter(prefix="/v1", tags=["native"])
 log = logging.getLogger(__name__)
 
-_DOC = {200: {"content": {"text/event-stream": {}},
-              "description": "SSE: `id: <seq>`, `event: <type>`, `data: <json payload>`"}}
+_DOC = {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "SSE: `id: <seq>`, `event: <type>`, `data: <json payload>`",
+    }
+}
 
 
 def parse_last_id(value: str | None) -> int:
@@ -39,17 +43,24 @@ def parse_last_id(value: str | None) -> int:
     except ValueError:
         seq = -1
     if not 0 <= seq <= SQL_INT_MAX:  # beyond SQL's integers no event id exists
-        raise APIError(400, f"Last-Event-ID must be an event id (a seq >= 0), got {value!r}",
-                       param="Last-Event-ID")
+        raise APIError(
+            400,
+            f"Last-Event-ID must be an event id (a seq >= 0), got {value!r}",
+            param="Last-Event-ID",
+        )
     return seq
 
 
 @router.get("/runs/{run_id}/events", responses=_DOC)
 async def run_events(
-    run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep, state: StateDep,
+    run_id: RunIdPath,
+    rt: RuntimeDep,
+    tenant: TenantDep,
+    state: StateDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-    after: Annotated[int | None, Query(ge=0, le=SQL_INT_MAX,
-                                       description="same as Last-Event-ID")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=SQL_INT_MAX, description="same as Last-Event-ID")
+    ] = None,
 ) -> EventSourceResponse:
     """The run's events (`run_created`, `objectives`, `call_started`, `token`,
     `variable_ready`, `call_finished`, `run_finished`, ...) as SSE. Reconnect with

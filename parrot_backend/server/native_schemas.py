@@ -29,16 +29,21 @@ WorkflowName = Field(pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH)
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def _run_id(run_id: Annotated[str, Path(description="a run id: 32 lowercase hex digits")]
-            ) -> str:
+def _run_id(run_id: Annotated[str, Path(description="a run id: 32 lowercase hex digits")]) -> str:
     if _RUN_ID.fullmatch(run_id) is None:
         raise not_found(run_id[:64])
     return run_id
 
 
 RunIdPath = Annotated[str, Depends(_run_id)]
-NamePath = Annotated[str, Path(pattern=f"^{NAME_PATTERN}$", max_length=MAX_NAME_LENGTH,
-                               description="a variable or workflow name")]
+NamePath = Annotated[
+    str,
+    Path(
+        pattern=f"^{NAME_PATTERN}$",
+        max_length=MAX_NAME_LENGTH,
+        description="a variable or workflow name",
+    ),
+]
 
 # The largest integer SQL BIGINT and SQLite INTEGER hold. Client integers that reach a
 # query (offsets, event seqs, versions) are bounded by it: a larger one made the driver

@@ -37,23 +37,25 @@ router = APIRouter(prefix="/v1", tags=["native"])
 
 
 def workflow_view(w: WorkflowRecord) -> WorkflowView:
-    return WorkflowView(name=w.name, version=w.version, public=w.public,
-                        created_at=w.created_at, program=w.program)
+    return WorkflowView(
+        name=w.name, version=w.version, public=w.public, created_at=w.created_at, program=w.program
+    )
 
 
 def _spec(program: dict, inputs: dict[str, str], outputs: dict) -> RunSpec:
     """A closed run of a stored program (stored JSON was valid when it was stored)."""
     try:
-        return RunSpec(program=ProgramSpec.model_validate(program), inputs=inputs,
-                       outputs=outputs)
+        return RunSpec(program=ProgramSpec.model_validate(program), inputs=inputs, outputs=outputs)
     except ValidationError as exc:
-        raise APIError(400, f"stored program no longer valid: {exc.errors()[0]['msg']}",
-                       code="program_error") from None
+        raise APIError(
+            400, f"stored program no longer valid: {exc.errors()[0]['msg']}", code="program_error"
+        ) from None
 
 
 @router.post("/workflows", response_model=WorkflowView, status_code=201)
-async def register_workflow(body: RegisterWorkflowRequest, rt: RuntimeDep,
-                            tenant: TenantDep, state: StateDep) -> WorkflowView:
+async def register_workflow(
+    body: RegisterWorkflowRequest, rt: RuntimeDep, tenant: TenantDep, state: StateDep
+) -> WorkflowView:
     """Store a program under a name; each registration is the next version. Chat calls
     are stored rendered with the served model's chat template."""
     with client_errors():
@@ -61,8 +63,13 @@ async def register_workflow(body: RegisterWorkflowRequest, rt: RuntimeDep,
         program.build()  # templates and structure checked now, not at the first run
     program = program.model_copy(update={"public": program.public or body.public})
     tenant_id = await rt.tenant_id(tenant)
-    record = await asyncio.to_thread(rt.store.register_workflow, tenant_id, body.name,
-                                     program.model_dump(mode="json"), public=body.public)
+    record = await asyncio.to_thread(
+        rt.store.register_workflow,
+        tenant_id,
+        body.name,
+        program.model_dump(mode="json"),
+        public=body.public,
+    )
     return workflow_view(record)
 
 
@@ -75,8 +82,9 @@ async def list_workflows(rt: RuntimeDep, tenant: TenantDep) -> WorkflowList:
 
 
 @router.post("/workflows/{name}/runs", response_model=RunCreated, status_code=201)
-async def start_workflow(name: NamePath, body: StartWorkflowRequest, rt: RuntimeDep,
-                         tenant: TenantDep) -> RunCreated:
+async def start_workflow(
+    name: NamePath, body: StartWorkflowRequest, rt: RuntimeDep, tenant: TenantDep
+) -> RunCreated:
     """Run a stored workflow with inputs."""
     tenant_id = await rt.tenant_id(tenant)
     try:
@@ -90,21 +98,26 @@ async def start_workflow(name: NamePath, body: StartWorkflowRequest, rt: Runtime
 
 
 @router.post("/runs/{run_id}/replay", response_model=RunCreated, status_code=201)
-async def replay_run(run_id: RunIdPath, body: ReplayRequest, rt: RuntimeDep,
-                     tenant: TenantDep) -> RunCreated:
+async def replay_run(
+    run_id: RunIdPath, body: ReplayRequest, rt: RuntimeDep, tenant: TenantDep
+) -> RunCreated:
     """Run a past run's program again: its inputs, with `inputs` merged over them."""
     tenant_id = await rt.tenant_id(tenant)
     try:
         detail = await asyncio.to_thread(rt.store.get_run, tenant_id, run_id)
     except NotFoundError:
         raise not_found(run_id) from None
-    given = {n: v.value or "" for n, v in detail.variables.items()
-             if v.producer_call is None and v.status == "ready"}
+    given = {
+        n: v.value or ""
+        for n, v in detail.variables.items()
+        if v.producer_call is None and v.status == "ready"
+    }
     unknown = [n for n in body.inputs if n not in given and n not in detail.variables]
     if unknown:
         raise APIError(400, f"run {run_id} has no input(s) {unknown}", code="unknown_variable")
     spec = _spec(detail.program, {**given, **body.inputs}, dict(detail.run.objectives))
     with client_errors():
-        new_id = await rt.create_run(tenant, spec, workflow_id=detail.run.workflow_id,
-                                     replay_of=run_id)
+        new_id = await rt.create_run(
+            tenant, spec, workflow_id=detail.run.workflow_id, replay_of=run_id
+        )
     return RunCreated(run_id=new_id, replay_of=run_id)

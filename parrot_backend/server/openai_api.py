@@ -42,9 +42,12 @@ T = TypeVar("T")
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-_STREAM_DOC = {200: {"content": {"text/event-stream": {}},
-                     "description": "JSON, or SSE `data:` chunks ending in `data: [DONE]` "
-                                    "when `stream` is true"}}
+_STREAM_DOC = {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "JSON, or SSE `data:` chunks ending in `data: [DONE]` when `stream` is true",
+    }
+}
 
 
 @router.get("/models", response_model=ModelList)
@@ -55,19 +58,25 @@ async def list_models(state: StateDep) -> ModelList:
 @router.get("/models/{model_id:path}", response_model=ModelCard)
 async def get_model(model_id: str, state: StateDep) -> ModelCard:
     if model_id != state.model_name:
-        raise APIError(404, f"The model '{model_id}' does not exist", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
+        )
     return _card(state)
 
 
 def _card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.model_name, created=state.created,
-                     max_model_len=state.max_model_len)
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
 
 
-async def _admit(state: ServerState, request: Request, prompt_ids: list[int],
-                 sampling: SamplingParams, n: int, endpoint: str,
-                 started: float) -> RequestRun | None:
+async def _admit(
+    state: ServerState,
+    request: Request,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    n: int,
+    endpoint: str,
+    started: float,
+) -> RequestRun | None:
     """Take an in-flight slot (429 beyond the bound) and prefill the prompt. Returns None
     when the client left during the prefill (it may wait in the engine's queue)."""
     try:
@@ -76,9 +85,15 @@ async def _admit(state: ServerState, request: Request, prompt_ids: list[int],
         state.metrics.reject("overloaded")
         raise
     run = RequestRun(
-        state.engine, prompt_ids=prompt_ids, sampling=sampling, n=n,
-        salt=state.salt_for(get_tenant(request)), metrics=state.metrics,
-        endpoint=endpoint, slot=slot, started=started,
+        state.engine,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        n=n,
+        salt=state.salt_for(get_tenant(request)),
+        metrics=state.metrics,
+        endpoint=endpoint,
+        slot=slot,
+        started=started,
     )
     try:
         disconnected, _ = await until_disconnect(request, run.prefill)
@@ -91,8 +106,9 @@ async def _admit(state: ServerState, request: Request, prompt_ids: list[int],
     return run
 
 
-async def until_disconnect(request: Request, fn: Callable[[], Awaitable[T]]
-                           ) -> tuple[bool, T | None]:
+async def until_disconnect(
+    request: Request, fn: Callable[[], Awaitable[T]]
+) -> tuple[bool, T | None]:
     """Await `fn()` but cancel it as soon as the client disconnects.
 
     Returns (disconnected, result). Cancelling the engine call is what stops the work;
@@ -102,6 +118,7 @@ async def until_disconnect(request: Request, fn: Callable[[], Awaitable[T]]
     error: Exception | None = None
     disconnected = False
     async with anyio.create_task_group() as tg:
+
         async def watch() -> None:
             nonlocal disconnected
             while True:
@@ -136,17 +153,20 @@ async def _collect(run: RequestRun, request: Request) -> list[str] | None:
 
 def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
     settings = state.settings
-    return ClosingEventSourceResponse(body, on_close=run.close, ping_s=settings.sse_ping_s,
-                                      send_timeout_s=settings.sse_send_timeout_s,
-                                      shutdown_grace_s=settings.shutdown_grace_s)
+    return ClosingEventSourceResponse(
+        body,
+        on_close=run.close,
+        ping_s=settings.sse_ping_s,
+        send_timeout_s=settings.sse_send_timeout_s,
+        shutdown_grace_s=settings.shutdown_grace_s,
+    )
 
 
 # ---- /v1/completions ----
 
 
 @router.post("/completions", response_model=CompletionResponse, responses=_STREAM_DOC)
-async def create_completion(body: CompletionRequest, request: Request,
-                            state: StateDep) -> Response:
+async def create_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     started = time.perf_counter()
     n = check_common(state, body)
     prompt_ids, prompt_text = await completion_prompt(state, body)
@@ -155,8 +175,11 @@ async def create_completion(body: CompletionRequest, request: Request,
     run = await _admit(state, request, prompt_ids, sampling, n, "completions", started)
     if run is None:
         return Response(status_code=499)  # the client left during the prefill
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": state.model_name}
+    meta = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": state.model_name,
+    }
     echo = prompt_text if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -167,8 +190,10 @@ async def create_completion(body: CompletionRequest, request: Request,
         await run.close()
     if texts is None:
         return Response(status_code=499)  # nobody is listening
-    choices = [CompletionChoice(index=i, text=echo + t, finish_reason=run.finish_reasons[i])
-               for i, t in enumerate(texts)]
+    choices = [
+        CompletionChoice(index=i, text=echo + t, finish_reason=run.finish_reasons[i])
+        for i, t in enumerate(texts)
+    ]
     return CompletionResponse(**meta, choices=choices, usage=usage_of(run))
 
 
@@ -176,8 +201,9 @@ async def create_completion(body: CompletionRequest, request: Request,
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_DOC)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 state: StateDep) -> Response:
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, state: StateDep
+) -> Response:
     started = time.perf_counter()
     n = check_common(state, body)
     plan = await chat_prompt(state, body)
@@ -190,8 +216,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     run = await _admit(state, request, plan.prompt_ids, sampling, n, "chat", started)
     if run is None:
         return Response(status_code=499)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": state.model_name}
+    meta = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": state.model_name,
+    }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(state, chat_events(run, meta, include_usage, plan.parse_tools), run)

@@ -50,14 +50,19 @@ class ChatPlan:
 
 
 def unsupported(param: str, why: str) -> APIError:
-    return APIError(400, f"'{param}' is not supported: {why}", param=param,
-                    code="unsupported_parameter")
+    return APIError(
+        400, f"'{param}' is not supported: {why}", param=param, code="unsupported_parameter"
+    )
 
 
 def check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                            f"'{state.model_name}'", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_common(state: ServerState, body: _SamplingFields) -> int:
@@ -67,17 +72,24 @@ def check_common(state: ServerState, body: _SamplingFields) -> int:
     if n > state.settings.max_n:
         raise APIError(400, f"n must be <= {state.settings.max_n}, got {n}", param="n")
     if body.presence_penalty or body.frequency_penalty:
-        raise unsupported("presence_penalty" if body.presence_penalty else "frequency_penalty",
-                          "penalties are not implemented; send 0 or omit it")
+        raise unsupported(
+            "presence_penalty" if body.presence_penalty else "frequency_penalty",
+            "penalties are not implemented; send 0 or omit it",
+        )
     if body.logit_bias:
         raise unsupported("logit_bias", "send null or omit it")
     if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true",
-                       param="stream_options")
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     stops = stop_list(body.stop)
     if len(stops) > state.settings.max_stop_sequences:
-        raise APIError(400, f"at most {state.settings.max_stop_sequences} stop sequences "
-                            f"are allowed, got {len(stops)}", param="stop")
+        raise APIError(
+            400,
+            f"at most {state.settings.max_stop_sequences} stop sequences "
+            f"are allowed, got {len(stops)}",
+            param="stop",
+        )
     return n
 
 
@@ -87,8 +99,9 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: int,
-                       param: str) -> int:
+def resolve_max_tokens(
+    state: ServerState, requested: int | None, prompt_len: int, param: str
+) -> int:
     """The generation budget; 400 when the prompt (plus what was asked) exceeds the context."""
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty (zero tokens)", param="prompt")
@@ -118,8 +131,9 @@ def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: in
     return requested
 
 
-def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int,
-                   constraint: Constraint | None = None) -> SamplingParams:
+def build_sampling(
+    state: ServerState, body: _SamplingFields, max_tokens: int, constraint: Constraint | None = None
+) -> SamplingParams:
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -135,8 +149,9 @@ def build_sampling(state: ServerState, body: _SamplingFields, max_tokens: int,
     except InvalidRequest as exc:
         # validate() names the field first ("top_k must be ..."): surface it as the param
         field_name = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc), param=field_name if hasattr(params, field_name) else None
-                       ) from None
+        raise APIError(
+            400, str(exc), param=field_name if hasattr(params, field_name) else None
+        ) from None
     return params
 
 
@@ -145,8 +160,9 @@ async def tokenize(state: ServerState, text: str, param: str = "prompt") -> list
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, f"{param} contains invalid Unicode (a lone surrogate)",
-                       param=param) from None
+        raise APIError(
+            400, f"{param} contains invalid Unicode (a lone surrogate)", param=param
+        ) from None
     # Off the event loop: long prompts take milliseconds that other streams would feel.
     return list(await anyio.to_thread.run_sync(state.engine.tokenize, text))
 
@@ -155,8 +171,9 @@ def check_token_ids(state: ServerState, ids: list[int]) -> None:
     vocab = state.vocab_size
     for tid in ids:
         if tid < 0 or (vocab is not None and tid >= vocab):
-            raise APIError(400, f"prompt token id {tid} is outside the vocabulary "
-                                f"[0, {vocab})", param="prompt")
+            raise APIError(
+                400, f"prompt token id {tid} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
 
 
 async def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
@@ -173,8 +190,12 @@ async def completion_prompt(state: ServerState, body: CompletionRequest) -> tupl
             raise APIError(400, "prompt must not be an empty list", param="prompt")
         if isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported: send one prompt per "
-                                    "request (or use n for several choices)", param="prompt")
+                raise APIError(
+                    400,
+                    "batched prompts are not supported: send one prompt per "
+                    "request (or use n for several choices)",
+                    param="prompt",
+                )
             prompt = prompt[0]
     if isinstance(prompt, str):
         return await tokenize(state, prompt), prompt
@@ -220,21 +241,27 @@ def chat_messages(body: ChatCompletionRequest, *, native_tools: bool = False) ->
         if m.role == "assistant" and m.tool_calls:
             if native_tools:
                 msg["tool_calls"] = [
-                    {"id": c.id, "type": "function",
-                     "function": {"name": c.function.name,
-                                  "arguments": _arguments(c.function.arguments)}}
-                    for c in m.tool_calls]
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {
+                            "name": c.function.name,
+                            "arguments": _arguments(c.function.arguments),
+                        },
+                    }
+                    for c in m.tool_calls
+                ]
             else:
-                blocks = "\n".join(_call_block(c.function.name, c.function.arguments)
-                                    for c in m.tool_calls)
+                blocks = "\n".join(
+                    _call_block(c.function.name, c.function.arguments) for c in m.tool_calls
+                )
                 msg["content"] = f"{content}\n{blocks}" if content else blocks
         elif m.role == "tool":
             if native_tools:
                 if m.tool_call_id is not None:
                     msg["tool_call_id"] = m.tool_call_id
             else:
-                msg = {"role": "user",
-                       "content": f"<tool_response>\n{content}\n</tool_response>"}
+                msg = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
         out.append(msg)
     return out
 
@@ -269,12 +296,14 @@ def _tool_choice(body: ChatCompletionRequest) -> tuple[str, str | None]:
             raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         return choice, None
     if not body.tools:
-        raise APIError(400, "tool_choice names a function but no tools were given",
-                       param="tool_choice")
+        raise APIError(
+            400, "tool_choice names a function but no tools were given", param="tool_choice"
+        )
     name = choice.function.name
     if name not in {t.function.name for t in body.tools}:
-        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
-                       param="tool_choice")
+        raise APIError(
+            400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+        )
     return "named", name
 
 
@@ -287,8 +316,10 @@ def _functions(body: ChatCompletionRequest) -> list[Function]:
             raise APIError(400, f"two tools are named {f.name!r}", param=f"tools[{i}]")
         seen.add(f.name)
         parameters = f.parameters if f.parameters is not None else {"type": "object"}
-        _checked(Constraint("json_schema", json.dumps(parameters, ensure_ascii=False)),
-                 f"tools[{i}].function.parameters")
+        _checked(
+            Constraint("json_schema", json.dumps(parameters, ensure_ascii=False)),
+            f"tools[{i}].function.parameters",
+        )
         functions.append(Function(f.name, parameters))
     return functions
 
@@ -300,16 +331,22 @@ def _content_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if fmt.type == "json_object":
         return {"type": "object"}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
-                       param="response_format.json_schema")
+        raise APIError(
+            400,
+            "response_format of type json_schema needs json_schema.schema",
+            param="response_format.json_schema",
+        )
     schema = fmt.json_schema.schema_
-    _checked(Constraint("json_schema", json.dumps(schema, ensure_ascii=False)),
-             "response_format.json_schema.schema")
+    _checked(
+        Constraint("json_schema", json.dumps(schema, ensure_ascii=False)),
+        "response_format.json_schema.schema",
+    )
     return schema
 
 
-def _constraint(body: ChatCompletionRequest, mode: str, forced: str | None,
-                functions: list[Function]) -> Constraint | None:
+def _constraint(
+    body: ChatCompletionRequest, mode: str, forced: str | None, functions: list[Function]
+) -> Constraint | None:
     """The decoding constraint: forced tool calls, a response format, or (tools offered
     freely under a response format) either of the two."""
     content = _content_schema(body)
@@ -333,8 +370,9 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> ChatPl
     template = state.chat_template
     if body.chat_template is not None:
         if not state.settings.allow_request_chat_template:
-            raise APIError(400, "chat_template in a request is disabled on this server",
-                           param="chat_template")
+            raise APIError(
+                400, "chat_template in a request is disabled on this server", param="chat_template"
+            )
         template = body.chat_template
     mode, forced = _tool_choice(body)
     functions = _functions(body)
@@ -347,7 +385,9 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> ChatPl
         if not native:
             messages, tools = tool_messages(messages, tools), None
     render = partial(
-        render_chat, template, messages,
+        render_chat,
+        template,
+        messages,
         add_generation_prompt=body.add_generation_prompt is not False,
         special_tokens=state.special_tokens,
         max_chars=state.settings.max_chat_template_chars,
@@ -357,5 +397,4 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> ChatPl
         text = await anyio.to_thread.run_sync(render)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
-    return ChatPlan(await tokenize(state, text, "messages"), constraint,
-                    parse_tools=mode != "none")
+    return ChatPlan(await tokenize(state, text, "messages"), constraint, parse_tools=mode != "none")

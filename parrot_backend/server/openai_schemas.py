@@ -74,7 +74,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(
-        description="A string, a list with one string, token ids, or a list with one id list.")
+        description="A string, a list with one string, token ids, or a list with one id list."
+    )
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -110,9 +111,13 @@ class FunctionDefinition(_Request):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
-        default=None, description="JSON schema of the arguments; omitted: any object")
-    strict: bool | None = Field(default=None, description="Arguments always match "
-                                "`parameters` when the call is forced; accepted either way.")
+        default=None, description="JSON schema of the arguments; omitted: any object"
+    )
+    strict: bool | None = Field(
+        default=None,
+        description="Arguments always match "
+        "`parameters` when the call is forced; accepted either way.",
+    )
 
 
 class Tool(_Request):
@@ -155,12 +160,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = Field(
-        default=None, description="Default: 'auto' with tools, 'none' without.")
+        default=None, description="Default: 'auto' with tools, 'none' without."
+    )
     parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool | None = True
     chat_template: str | None = Field(
-        default=None, description="Extension, off unless the operator allows it.")
+        default=None, description="Extension, off unless the operator allows it."
+    )
 
 
 # ---- responses ----

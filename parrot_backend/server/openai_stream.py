@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def usage_of(run: RequestRun) -> Usage:
-    return Usage(prompt_tokens=run.prompt_tokens, completion_tokens=run.total_completion_tokens,
-                 total_tokens=run.prompt_tokens + run.total_completion_tokens)
+    return Usage(
+        prompt_tokens=run.prompt_tokens,
+        completion_tokens=run.total_completion_tokens,
+        total_tokens=run.prompt_tokens + run.total_completion_tokens,
+    )
 
 
 def error_frame(exc: Exception) -> bytes:
@@ -46,8 +49,9 @@ def error_frame(exc: Exception) -> bytes:
     return data_frame(err.body())
 
 
-async def completion_events(run: RequestRun, meta: dict, echo: str,
-                             include_usage: bool) -> AsyncIterator[bytes]:
+async def completion_events(
+    run: RequestRun, meta: dict, echo: str, include_usage: bool
+) -> AsyncIterator[bytes]:
     echoed: set[int] = set()
     try:
         async for index, delta in run:
@@ -60,8 +64,9 @@ async def completion_events(run: RequestRun, meta: dict, echo: str,
             if delta.finish_reason is not None:
                 yield _completion_chunk(meta, index, "", delta.finish_reason)
         if include_usage:
-            yield data_frame(CompletionChunk(**meta, choices=[], usage=usage_of(run))
-                             .model_dump(mode="json"))
+            yield data_frame(
+                CompletionChunk(**meta, choices=[], usage=usage_of(run)).model_dump(mode="json")
+            )
         yield DONE_FRAME
     except Exception as exc:
         yield error_frame(exc)
@@ -71,8 +76,9 @@ async def completion_events(run: RequestRun, meta: dict, echo: str,
 
 
 def _completion_chunk(meta: dict, index: int, text: str, finish: str | None) -> bytes:
-    chunk = CompletionChunk(**meta, choices=[CompletionChoice(index=index, text=text,
-                                                              finish_reason=finish)])
+    chunk = CompletionChunk(
+        **meta, choices=[CompletionChoice(index=index, text=text, finish_reason=finish)]
+    )
     return data_frame(chunk.model_dump(mode="json"))
 
 
@@ -86,22 +92,26 @@ def tool_finish(finish: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and finish == "stop" else finish
 
 
-def chat_message(text: str, finish: str | None, parse_tools: bool
-                 ) -> tuple[AssistantMessage, str | None]:
+def chat_message(
+    text: str, finish: str | None, parse_tools: bool
+) -> tuple[AssistantMessage, str | None]:
     """The assistant message of a whole generation, its tool calls parsed out if asked."""
     if not parse_tools:
         return AssistantMessage(content=text), finish
     content, calls = parse_tool_calls(text)
     if not calls:
         return AssistantMessage(content=text), finish
-    tool_calls = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(
-        name=c.name, arguments=c.arguments)) for c in calls]
-    return (AssistantMessage(content=content or None, tool_calls=tool_calls),
-            tool_finish(finish, True))
+    tool_calls = [
+        ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+    return (
+        AssistantMessage(content=content or None, tool_calls=tool_calls),
+        tool_finish(finish, True),
+    )
 
 
-def _tool_deltas(meta: dict, index: int, events: list[Event], ids: dict[int, str]
-                 ) -> list[bytes]:
+def _tool_deltas(meta: dict, index: int, events: list[Event], ids: dict[int, str]) -> list[bytes]:
     """Chunks for what a parser found: content as content, each call's first delta with
     its id and name, then its arguments as they grow."""
     out = []
@@ -111,16 +121,21 @@ def _tool_deltas(meta: dict, index: int, events: list[Event], ids: dict[int, str
             continue
         if kind == "call":
             ids[call] = new_call_id()
-            part = ToolCallDelta(index=call, id=ids[call], type="function",
-                                 function=FunctionDelta(name=text, arguments=""))
+            part = ToolCallDelta(
+                index=call,
+                id=ids[call],
+                type="function",
+                function=FunctionDelta(name=text, arguments=""),
+            )
         else:
             part = ToolCallDelta(index=call, function=FunctionDelta(arguments=text))
         out.append(_chat_chunk(meta, index, ChatDelta(tool_calls=[part]), None))
     return out
 
 
-async def chat_events(run: RequestRun, meta: dict, include_usage: bool,
-                      parse_tools: bool = False) -> AsyncIterator[bytes]:
+async def chat_events(
+    run: RequestRun, meta: dict, include_usage: bool, parse_tools: bool = False
+) -> AsyncIterator[bytes]:
     parsers = [ToolCallParser() for _ in range(run.n)] if parse_tools else None
     ids: list[dict[int, str]] = [{} for _ in range(run.n)]
     try:
@@ -144,8 +159,9 @@ async def chat_events(run: RequestRun, meta: dict, include_usage: bool,
                 finish = tool_finish(delta.finish_reason, bool(parser.calls))
                 yield _chat_chunk(meta, index, ChatDelta(), finish)
         if include_usage:
-            yield data_frame(ChatCompletionChunk(**meta, choices=[], usage=usage_of(run))
-                             .model_dump(mode="json"))
+            yield data_frame(
+                ChatCompletionChunk(**meta, choices=[], usage=usage_of(run)).model_dump(mode="json")
+            )
         yield DONE_FRAME
     except Exception as exc:
         yield error_frame(exc)
@@ -155,6 +171,7 @@ async def chat_events(run: RequestRun, meta: dict, include_usage: bool,
 
 
 def _chat_chunk(meta: dict, index: int, delta: ChatDelta, finish: str | None) -> bytes:
-    chunk = ChatCompletionChunk(**meta, choices=[ChatChunkChoice(index=index, delta=delta,
-                                                                 finish_reason=finish)])
+    chunk = ChatCompletionChunk(
+        **meta, choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]
+    )
     return data_frame(chunk.model_dump(mode="json"))

@@ -55,9 +55,13 @@ class NativeRuntime:
         self.worker = worker or default_worker()
         self.salt_secret = salt_secret or uuid.uuid4().bytes
         self.notifier = Notifier()
-        self.persister = StorePersister(store, self.worker, self.notifier,
-                                        flush_interval_s=flush_interval_s,
-                                        owner_lease_s=owner_lease_s)
+        self.persister = StorePersister(
+            store,
+            self.worker,
+            self.notifier,
+            flush_interval_s=flush_interval_s,
+            owner_lease_s=owner_lease_s,
+        )
         # several servers may share one database: each runs the runs it owns, renews its
         # lease on them, and adopts the runs of a server whose lease ran out
         self.owner_lease_s = owner_lease_s
@@ -122,8 +126,9 @@ class NativeRuntime:
         run_id = uuid.uuid4().hex
         self.persister.expect(run_id, RunMeta(tenant_id, workflow_id, replay_of))
         try:
-            await self.manager.create_run(spec, tenant=tenant, salt=self.salt(tenant),
-                                          run_id=run_id)
+            await self.manager.create_run(
+                spec, tenant=tenant, salt=self.salt(tenant), run_id=run_id
+            )
         except BaseException:
             self.persister.drop(run_id)
             raise
@@ -173,8 +178,9 @@ class NativeRuntime:
             if run_id in self.manager.runs:
                 continue
             # another live server owns it: it is theirs (we adopt it if their lease lapses)
-            if not await asyncio.to_thread(st.claim_run, run_id, self.worker,
-                                           lease_s=self.owner_lease_s):
+            if not await asyncio.to_thread(
+                st.claim_run, run_id, self.worker, lease_s=self.owner_lease_s
+            ):
                 continue
             try:
                 await self._resume(unfinished.run)
@@ -182,8 +188,9 @@ class NativeRuntime:
             except (ProgramError, ValueError, NotFoundError) as exc:
                 log.error("run %s cannot be resumed: %s", run_id, exc)
                 self.persister.drop(run_id)
-                await asyncio.to_thread(st.set_run_status, run_id, "failed",
-                                        error=f"not resumable: {exc}")
+                await asyncio.to_thread(
+                    st.set_run_status, run_id, "failed", error=f"not resumable: {exc}"
+                )
         if resumed:
             log.info("resumed %d unfinished run(s)", len(resumed))
         return resumed
@@ -194,8 +201,9 @@ class NativeRuntime:
         while True:
             await asyncio.sleep(self.owner_lease_s / 3)
             try:
-                await asyncio.to_thread(self.store.renew_runs, self.worker,
-                                        lease_s=self.owner_lease_s)
+                await asyncio.to_thread(
+                    self.store.renew_runs, self.worker, lease_s=self.owner_lease_s
+                )
                 orphans = await asyncio.to_thread(self.store.adoptable_runs, self.worker)
                 if any(r not in self.manager.runs for r in orphans):
                     await asyncio.to_thread(self.store.release_expired_claims)
@@ -214,11 +222,22 @@ class NativeRuntime:
         ready = {n: v for n, v in detail.variables.items() if v.status == "ready"}
         inputs = {n: v.value or "" for n, v in ready.items() if v.producer_call is None}
         known = {n: v.value or "" for n, v in ready.items() if v.producer_call is not None}
-        spec = RunSpec(program=ProgramSpec.model_validate(detail.program), inputs=inputs,
-                       outputs=dict(record.objectives), open=record.open)
-        meta = RunMeta(tenant.id, record.workflow_id, record.replay_of, resumed=True,
-                       program=dict(detail.program), started=record.status == "running")
+        spec = RunSpec(
+            program=ProgramSpec.model_validate(detail.program),
+            inputs=inputs,
+            outputs=dict(record.objectives),
+            open=record.open,
+        )
+        meta = RunMeta(
+            tenant.id,
+            record.workflow_id,
+            record.replay_of,
+            resumed=True,
+            program=dict(detail.program),
+            started=record.status == "running",
+        )
         meta.set_calls(detail.calls)
         self.persister.expect(record.id, meta)
-        await self.manager.create_run(spec, tenant=tenant.name, salt=self.salt(tenant.name),
-                                      run_id=record.id, known=known)
+        await self.manager.create_run(
+            spec, tenant=tenant.name, salt=self.salt(tenant.name), run_id=record.id, known=known
+        )

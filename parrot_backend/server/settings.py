@@ -69,8 +69,13 @@ class ServerSettings:
                 f"authentication is off but the server would listen on {self.host!r}; "
                 "configure API keys or listen on a loopback address (127.0.0.1, ::1)"
             )
-        for name in ("max_body_bytes", "max_inflight", "max_pending_calls", "max_n",
-                     "max_stop_sequences"):
+        for name in (
+            "max_body_bytes",
+            "max_inflight",
+            "max_pending_calls",
+            "max_n",
+            "max_stop_sequences",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.retry_after_s < 0:

@@ -53,14 +53,18 @@ async def root() -> RedirectResponse:
 @router.get("/ui", include_in_schema=False)
 async def page() -> FileResponse:
     """The page itself (its scripts and styles are under /ui/static/)."""
-    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                        headers=_PAGE_HEADERS)
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=_PAGE_HEADERS)
 
 
-@router.post("/v1/runs/{run_id}/events/grant", status_code=204, tags=["native"],
-             responses={204: {"description": "the grant is set as a cookie"}})
-async def events_grant(run_id: RunIdPath, request: Request, rt: RuntimeDep,
-                       tenant: TenantDep, state: StateDep) -> Response:
+@router.post(
+    "/v1/runs/{run_id}/events/grant",
+    status_code=204,
+    tags=["native"],
+    responses={204: {"description": "the grant is set as a cookie"}},
+)
+async def events_grant(
+    run_id: RunIdPath, request: Request, rt: RuntimeDep, tenant: TenantDep, state: StateDep
+) -> Response:
     """Let this browser open the run's event stream without a header (`EventSource`
     cannot send one): sets a signed, short-lived, HttpOnly, SameSite=Strict cookie that
     only `GET /v1/runs/{run_id}/events` accepts, for this tenant and this run only."""
@@ -68,8 +72,13 @@ async def events_grant(run_id: RunIdPath, request: Request, rt: RuntimeDep,
     token = mint_events_grant(state.authenticator.grant_key, tenant, run_id)
     response = Response(status_code=204)
     response.set_cookie(
-        GRANT_COOKIE, token, max_age=GRANT_TTL_S, path=f"/v1/runs/{run_id}/events",
-        httponly=True, samesite="strict", secure=request.url.scheme == "https",
+        GRANT_COOKIE,
+        token,
+        max_age=GRANT_TTL_S,
+        path=f"/v1/runs/{run_id}/events",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
     )
     response.headers["Cache-Control"] = "no-store"
     return response

@@ -51,9 +51,12 @@ class StoreBase:
         conn = getattr(self._batch, "conn", None)
         if conn is not None:
             try:
-                with Session(bind=conn, expire_on_commit=False,
-                             join_transaction_mode="create_savepoint") as session, \
-                        session.begin():
+                with (
+                    Session(
+                        bind=conn, expire_on_commit=False, join_transaction_mode="create_savepoint"
+                    ) as session,
+                    session.begin(),
+                ):
                     yield session
             except BaseException:
                 if not self._batch.savepoints:  # the same rule as `_conn_write`

@@ -65,19 +65,30 @@ _C = _CALLS.c
 def _hold_stmt(start: bool) -> Any:
     now = bindparam("now")
     held = _C.status.in_(CALL_HELD)
-    values: dict[str, Any] = {"claimed_by": bindparam("worker"),
-                              "lease_expires_at": bindparam("lease")}
+    values: dict[str, Any] = {
+        "claimed_by": bindparam("worker"),
+        "lease_expires_at": bindparam("lease"),
+    }
     if start:
-        values.update(status="running", engine=bindparam("engine"), started_at=now,
-                      first_token_at=None, attempts=_C.attempts + 1)
+        values.update(
+            status="running",
+            engine=bindparam("engine"),
+            started_at=now,
+            first_token_at=None,
+            attempts=_C.attempts + 1,
+        )
     else:
         values.update(status="claimed")
     return (
         update(_CALLS)
-        .where(_C.id == bindparam("cid"),
-               or_(_C.status == "pending",
-                   and_(held, _C.lease_expires_at < now),
-                   and_(held, _C.claimed_by == bindparam("worker"))))
+        .where(
+            _C.id == bindparam("cid"),
+            or_(
+                _C.status == "pending",
+                and_(held, _C.lease_expires_at < now),
+                and_(held, _C.claimed_by == bindparam("worker")),
+            ),
+        )
         .values(**values)
         .returning(_C.run_id)
     )
@@ -87,13 +98,20 @@ def _hold_stmt(start: bool) -> Any:
 _HOLD = {True: _hold_stmt(True), False: _hold_stmt(False)}
 _FINISH = (
     update(_CALLS)
-    .where(_C.id == bindparam("cid"), _C.claimed_by == bindparam("worker"),
-           _C.status.in_(CALL_HELD))
-    .values(status="done", finished_at=bindparam("now"), lease_expires_at=None,
-            prompt_tokens=bindparam("prompt_tokens"),
-            completion_tokens=bindparam("completion_tokens"), error=None,
-            first_token_at=func.coalesce(bindparam("first_token_at", type_=UTCDateTime()),
-                                         _C.first_token_at))
+    .where(
+        _C.id == bindparam("cid"), _C.claimed_by == bindparam("worker"), _C.status.in_(CALL_HELD)
+    )
+    .values(
+        status="done",
+        finished_at=bindparam("now"),
+        lease_expires_at=None,
+        prompt_tokens=bindparam("prompt_tokens"),
+        completion_tokens=bindparam("completion_tokens"),
+        error=None,
+        first_token_at=func.coalesce(
+            bindparam("first_token_at", type_=UTCDateTime()), _C.first_token_at
+        ),
+    )
     .returning(_C.run_id, _C.outputs)
 )
 _CALL_EXISTS = select(_C.id).where(_C.id == bindparam("cid"))
@@ -182,8 +200,13 @@ class CallsMixin(StoreBase):
         the same transaction when the claim succeeds. False when another worker holds it
         or it is finished."""
         now = now or utcnow()
-        params = {"cid": call_id, "worker": worker, "now": now,
-                  "lease": now + timedelta(seconds=lease_s), "engine": engine}
+        params = {
+            "cid": call_id,
+            "worker": worker,
+            "now": now,
+            "lease": now + timedelta(seconds=lease_s),
+            "engine": engine,
+        }
         with self._conn_write() as c:
             run_id = c.execute(_HOLD[start], params).scalar()
             if run_id is not None and events:
@@ -191,7 +214,10 @@ class CallsMixin(StoreBase):
             return run_id is not None
 
     def renew_lease(
-        self, worker: str, call_ids: Sequence[int], lease_s: float = 30.0,
+        self,
+        worker: str,
+        call_ids: Sequence[int],
+        lease_s: float = 30.0,
         now: datetime | None = None,
     ) -> list[int]:
         """Extend the leases ``worker`` still holds; returns the ids it still holds."""
@@ -200,8 +226,11 @@ class CallsMixin(StoreBase):
             held = list(
                 s.scalars(
                     update(Call)
-                    .where(Call.id.in_(list(call_ids)), Call.claimed_by == worker,
-                           Call.status.in_(CALL_HELD))
+                    .where(
+                        Call.id.in_(list(call_ids)),
+                        Call.claimed_by == worker,
+                        Call.status.in_(CALL_HELD),
+                    )
                     .values(lease_expires_at=now + timedelta(seconds=lease_s))
                     .returning(Call.id)
                     .execution_options(synchronize_session=False)
@@ -210,13 +239,22 @@ class CallsMixin(StoreBase):
         return sorted(held)
 
     def mark_call_started(
-        self, call_id: int, worker: str, *, engine: str | None = None,
+        self,
+        call_id: int,
+        worker: str,
+        *,
+        engine: str | None = None,
         now: datetime | None = None,
     ) -> bool:
         """The call was sent to an engine; False when ``worker`` no longer holds it."""
         with self._write() as s:
             return _fenced(
-                s, call_id, worker, ("claimed",), status="running", engine=engine,
+                s,
+                call_id,
+                worker,
+                ("claimed",),
+                status="running",
+                engine=engine,
                 started_at=now or utcnow(),
             )
 
@@ -246,8 +284,14 @@ class CallsMixin(StoreBase):
         variables already ready are left as they are: the first recorded value wins.
         """
         now = now or utcnow()
-        params = {"cid": call_id, "worker": worker, "now": now, "prompt_tokens": prompt_tokens,
-                  "completion_tokens": completion_tokens, "first_token_at": first_token_at}
+        params = {
+            "cid": call_id,
+            "worker": worker,
+            "now": now,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "first_token_at": first_token_at,
+        }
         with self._conn_write() as c:
             row = c.execute(_FINISH, params).first()
             if row is None:
@@ -277,8 +321,14 @@ class CallsMixin(StoreBase):
         in the same transaction. Returns the names (or ``#<idx>``) of the calls settled."""
         now = now or utcnow()
         with self._conn_write() as c:
-            ready = set(c.scalars(select(Variable.__table__.c.name).where(
-                Variable.__table__.c.run_id == run_id, Variable.__table__.c.status == "ready")))
+            ready = set(
+                c.scalars(
+                    select(Variable.__table__.c.name).where(
+                        Variable.__table__.c.run_id == run_id,
+                        Variable.__table__.c.status == "ready",
+                    )
+                )
+            )
             rows = c.execute(
                 select(_C.id, _C.idx, _C.name, _C.outputs)
                 .where(_C.run_id == run_id, _C.status.notin_(("done", "failed")))
@@ -290,18 +340,28 @@ class CallsMixin(StoreBase):
                     continue
                 done = c.execute(
                     update(_CALLS)
-                    .where(_C.id == call_id, or_(
-                        _C.status == "pending",
-                        and_(_C.status.in_(CALL_HELD),
-                             or_(_C.lease_expires_at < now, _C.claimed_by == worker))))
-                    .values(status="done", finished_at=now, lease_expires_at=None,
-                            claimed_by=worker)
+                    .where(
+                        _C.id == call_id,
+                        or_(
+                            _C.status == "pending",
+                            and_(
+                                _C.status.in_(CALL_HELD),
+                                or_(_C.lease_expires_at < now, _C.claimed_by == worker),
+                            ),
+                        ),
+                    )
+                    .values(
+                        status="done", finished_at=now, lease_expires_at=None, claimed_by=worker
+                    )
                 ).rowcount
                 if done:
                     settled.append(name if name is not None else f"#{idx}")
             if events and settled:
-                append_in(c, [(run_id, "call_finished", {"call": n, "recovered": True})
-                              for n in settled], now)
+                append_in(
+                    c,
+                    [(run_id, "call_finished", {"call": n, "recovered": True}) for n in settled],
+                    now,
+                )
             return settled
 
     def fail_call(
@@ -322,16 +382,35 @@ class CallsMixin(StoreBase):
             if call is None:
                 raise NotFoundError(f"no call {call_id}")
             if retry:
-                ok = _fenced(s, call_id, worker, CALL_HELD, status="pending", claimed_by=None,
-                             lease_expires_at=None, error=error)
+                ok = _fenced(
+                    s,
+                    call_id,
+                    worker,
+                    CALL_HELD,
+                    status="pending",
+                    claimed_by=None,
+                    lease_expires_at=None,
+                    error=error,
+                )
             else:
-                ok = _fenced(s, call_id, worker, CALL_HELD, status="failed", finished_at=now,
-                             lease_expires_at=None, error=error)
+                ok = _fenced(
+                    s,
+                    call_id,
+                    worker,
+                    CALL_HELD,
+                    status="failed",
+                    finished_at=now,
+                    lease_expires_at=None,
+                    error=error,
+                )
                 if ok:
                     s.execute(
                         update(Variable)
-                        .where(Variable.run_id == call.run_id, Variable.name.in_(call.outputs),
-                               Variable.status == "pending")
+                        .where(
+                            Variable.run_id == call.run_id,
+                            Variable.name.in_(call.outputs),
+                            Variable.status == "pending",
+                        )
                         .values(status="failed", error=error, set_at=now)
                         .execution_options(synchronize_session=False)
                     )

@@ -82,7 +82,7 @@ class ValueText(TypeDecorator[str]):
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
         if value is None or dialect.name == "sqlite" or not value.startswith(_NUL_MARK):
             return value
-        return _UNESCAPE.sub(_unescape, value[len(_NUL_MARK):])
+        return _UNESCAPE.sub(_unescape, value[len(_NUL_MARK) :])
 
 
 _UNESCAPE = re.compile(r"\\(.)", re.S)

@@ -55,14 +55,17 @@ def append_in(
         if conn.dialect.name == "postgresql":
             # lock in id order first: a lone UPDATE locks rows in scan order, which can
             # deadlock against another batch
-            conn.execute(select(_RUNS.c.id).where(_RUNS.c.id.in_(ids))
-                         .order_by(_RUNS.c.id).with_for_update())
-        ends = dict(conn.execute(
-            update(_RUNS)
-            .where(_RUNS.c.id.in_(ids))
-            .values(event_seq=_RUNS.c.event_seq + case(dict(counts), value=_RUNS.c.id))
-            .returning(_RUNS.c.id, _RUNS.c.event_seq)
-        ).all())
+            conn.execute(
+                select(_RUNS.c.id).where(_RUNS.c.id.in_(ids)).order_by(_RUNS.c.id).with_for_update()
+            )
+        ends = dict(
+            conn.execute(
+                update(_RUNS)
+                .where(_RUNS.c.id.in_(ids))
+                .values(event_seq=_RUNS.c.event_seq + case(dict(counts), value=_RUNS.c.id))
+                .returning(_RUNS.c.id, _RUNS.c.event_seq)
+            ).all()
+        )
     missing = sorted(r for r in counts if ends.get(r) is None)
     if missing:
         raise NotFoundError(f"no run(s) {missing}")
@@ -73,8 +76,13 @@ def append_in(
         next_seq[run_id] += 1
         seqs.append(next_seq[run_id])
         rows.append(
-            {"run_id": run_id, "seq": next_seq[run_id], "type": type_, "payload": payload,
-             "created_at": now}
+            {
+                "run_id": run_id,
+                "seq": next_seq[run_id],
+                "type": type_,
+                "payload": payload,
+                "created_at": now,
+            }
         )
     # Core insert of the table (not the ORM bulk path): a plain executemany, fastest here.
     conn.execute(_INSERT_EVENTS, rows)
@@ -112,9 +120,11 @@ class EventsMixin(StoreBase):
                 .order_by(Event.seq)
                 .limit(limit)
             ).all()
-            if not rows and s.scalar(
-                select(Run.id).where(Run.id == run_id, Run.tenant_id == tenant_id)
-            ) is None:
+            if (
+                not rows
+                and s.scalar(select(Run.id).where(Run.id == run_id, Run.tenant_id == tenant_id))
+                is None
+            ):
                 raise NotFoundError(f"no run {run_id!r}")
             return [_record(e) for e in rows]
 

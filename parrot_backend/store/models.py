@@ -129,8 +129,7 @@ class Run(Base):
     # The manager process running this run (several may share one database) and until when
     # its claim holds without renewal; an expired owner's runs are adopted by another.
     owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    owner_lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(),
-                                                                     nullable=True)
+    owner_lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Variable(Base):

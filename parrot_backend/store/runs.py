@@ -69,7 +69,8 @@ def output_types(calls: Sequence[Mapping[str, Any]]) -> dict[str, str]:
         for name, kind in given.items():
             if kind not in VALUE_TYPES:
                 raise InvalidRequestError(
-                    f"call {i}: type of {name!r} must be one of {VALUE_TYPES}, got {kind!r}")
+                    f"call {i}: type of {name!r} must be one of {VALUE_TYPES}, got {kind!r}"
+                )
             if name not in outputs:
                 raise InvalidRequestError(f"call {i}: types names {name!r}, not an output")
             types[name] = kind
@@ -77,16 +78,22 @@ def output_types(calls: Sequence[Mapping[str, Any]]) -> dict[str, str]:
 
 
 def _insert_calls(
-    c: Connection, run_id: str, plans: Sequence[CallDescriptor], first_idx: int, now: datetime,
-    variables: dict[str, int] | None = None, types: Mapping[str, str] | None = None,
+    c: Connection,
+    run_id: str,
+    plans: Sequence[CallDescriptor],
+    first_idx: int,
+    now: datetime,
+    variables: dict[str, int] | None = None,
+    types: Mapping[str, str] | None = None,
 ) -> None:
     """Insert calls, their variables (pending when new) and the DAG's input edges.
     ``variables``: the run's variables (name -> id), when the caller knows them; ``types``:
     the type of each typed output (others are text)."""
     types = types or {}
     if variables is None:
-        variables = dict(c.execute(
-            select(_VARS.c.name, _VARS.c.id).where(_VARS.c.run_id == run_id)).all())
+        variables = dict(
+            c.execute(select(_VARS.c.name, _VARS.c.id).where(_VARS.c.run_id == run_id)).all()
+        )
     producer: dict[str, int] = {}
     new: dict[str, None] = {}  # in first-use order
     for offset, plan in enumerate(plans):
@@ -96,22 +103,50 @@ def _insert_calls(
         for out in plan.outputs:
             producer[out] = first_idx + offset
     if new:
-        variables.update(c.execute(_NEW_VARS, [
-            {"run_id": run_id, "name": n, "status": "pending", "producer_call": producer.get(n),
-             "type": types.get(n, "text")}
-            for n in new
-        ]).all())
-    known = [{"rid": run_id, "vname": n, "producer": i, "vtype": types.get(n, "text")}
-             for n, i in producer.items() if n not in new]
+        variables.update(
+            c.execute(
+                _NEW_VARS,
+                [
+                    {
+                        "run_id": run_id,
+                        "name": n,
+                        "status": "pending",
+                        "producer_call": producer.get(n),
+                        "type": types.get(n, "text"),
+                    }
+                    for n in new
+                ],
+            ).all()
+        )
+    known = [
+        {"rid": run_id, "vname": n, "producer": i, "vtype": types.get(n, "text")}
+        for n, i in producer.items()
+        if n not in new
+    ]
     if known:
         c.execute(_SET_PRODUCER, known)
-    ids = c.execute(_NEW_CALLS, [
-        {"run_id": run_id, "idx": first_idx + offset, "name": plan.name,
-         "inputs": list(plan.inputs), "outputs": list(plan.outputs), "status": "pending",
-         "objective": plan.objective, "task_group": plan.task_group, "attempts": 0,
-         "queued_at": now}
-        for offset, plan in enumerate(plans)
-    ]).scalars().all()
+    ids = (
+        c.execute(
+            _NEW_CALLS,
+            [
+                {
+                    "run_id": run_id,
+                    "idx": first_idx + offset,
+                    "name": plan.name,
+                    "inputs": list(plan.inputs),
+                    "outputs": list(plan.outputs),
+                    "status": "pending",
+                    "objective": plan.objective,
+                    "task_group": plan.task_group,
+                    "attempts": 0,
+                    "queued_at": now,
+                }
+                for offset, plan in enumerate(plans)
+            ],
+        )
+        .scalars()
+        .all()
+    )
     edges = [
         {"call_id": call_id, "variable_id": variables[name]}
         for call_id, plan in zip(ids, plans, strict=True)
@@ -132,8 +167,7 @@ def _owned_run(db: Session | Connection, tenant_id: int, run_id: str) -> Row[Any
 
 def _detail(db: Session | Connection, run: Row[Any]) -> RunDetail:
     conn = db.connection() if isinstance(db, Session) else db
-    variables = conn.execute(
-        select(_VARS).where(_VARS.c.run_id == run.id).order_by(_VARS.c.id))
+    variables = conn.execute(select(_VARS).where(_VARS.c.run_id == run.id).order_by(_VARS.c.id))
     calls = conn.execute(select(_CALLS).where(_CALLS.c.run_id == run.id).order_by(_CALLS.c.idx))
     return RunDetail(
         run=run_record(run),
@@ -147,31 +181,44 @@ def _detail(db: Session | Connection, run: Row[Any]) -> RunDetail:
 # Prebuilt (a hot path: every run starts and finishes through it).
 _SET_STATUS = (
     update(_RUNS)
-    .where(_RUNS.c.id == bindparam("rid"), _RUNS.c.status.in_(RUN_UNFINISHED),
-           _RUNS.c.status != bindparam("status"))
-    .values(status=bindparam("status"),
-            finished_at=func.coalesce(bindparam("finished_at", type_=UTCDateTime()),
-                                      _RUNS.c.finished_at),
-            error=func.coalesce(bindparam("error", type_=Text()), _RUNS.c.error))
+    .where(
+        _RUNS.c.id == bindparam("rid"),
+        _RUNS.c.status.in_(RUN_UNFINISHED),
+        _RUNS.c.status != bindparam("status"),
+    )
+    .values(
+        status=bindparam("status"),
+        finished_at=func.coalesce(
+            bindparam("finished_at", type_=UTCDateTime()), _RUNS.c.finished_at
+        ),
+        error=func.coalesce(bindparam("error", type_=Text()), _RUNS.c.error),
+    )
 )
 
 
 # a cancelled run's calls that had not ended: recorded as cancelled, their claims released
 _CANCEL_CALLS = (
     update(_CALLS)
-    .where(_CALLS.c.run_id == bindparam("rid"),
-           _CALLS.c.status.in_(("pending", *CALL_HELD)))
-    .values(status="cancelled", finished_at=bindparam("finished_at", type_=UTCDateTime()),
-            claimed_by=None, lease_expires_at=None)
+    .where(_CALLS.c.run_id == bindparam("rid"), _CALLS.c.status.in_(("pending", *CALL_HELD)))
+    .values(
+        status="cancelled",
+        finished_at=bindparam("finished_at", type_=UTCDateTime()),
+        claimed_by=None,
+        lease_expires_at=None,
+    )
 )
 _ANNOTATE = (
     update(_CALLS)
     .where(_CALLS.c.run_id == bindparam("rid"), _CALLS.c.idx == bindparam("b_idx"))
     .values(
-        objective=case((bindparam("has_objective"), bindparam("b_objective", type_=String())),
-                       else_=_CALLS.c.objective),
-        task_group=case((bindparam("has_group"), bindparam("b_task_group", type_=String())),
-                        else_=_CALLS.c.task_group),
+        objective=case(
+            (bindparam("has_objective"), bindparam("b_objective", type_=String())),
+            else_=_CALLS.c.objective,
+        ),
+        task_group=case(
+            (bindparam("has_group"), bindparam("b_task_group", type_=String())),
+            else_=_CALLS.c.task_group,
+        ),
     )
 )
 
@@ -217,18 +264,42 @@ class RunsMixin(StoreBase):
         with self._conn_write() as c:
             if replay_of is not None:
                 _owned_run(c, tenant_id, replay_of)
-            c.execute(insert(_RUNS).values(
-                id=run_id, tenant_id=tenant_id, workflow_id=workflow_id, program=dict(program),
-                inputs=inputs, objectives=objectives, status="pending", open=open,
-                created_at=now, replay_of=replay_of, event_seq=0, owner=owner,
-                owner_lease_expires_at=(now + timedelta(seconds=owner_lease_s)
-                                        if owner else None)))
+            c.execute(
+                insert(_RUNS).values(
+                    id=run_id,
+                    tenant_id=tenant_id,
+                    workflow_id=workflow_id,
+                    program=dict(program),
+                    inputs=inputs,
+                    objectives=objectives,
+                    status="pending",
+                    open=open,
+                    created_at=now,
+                    replay_of=replay_of,
+                    event_seq=0,
+                    owner=owner,
+                    owner_lease_expires_at=(
+                        now + timedelta(seconds=owner_lease_s) if owner else None
+                    ),
+                )
+            )
             variables: dict[str, int] = {}
             if inputs:
-                variables.update(c.execute(_NEW_VARS, [
-                    {"run_id": run_id, "name": name, "value": value, "status": "ready",
-                     "set_at": now} for name, value in inputs.items()
-                ]).all())
+                variables.update(
+                    c.execute(
+                        _NEW_VARS,
+                        [
+                            {
+                                "run_id": run_id,
+                                "name": name,
+                                "value": value,
+                                "status": "ready",
+                                "set_at": now,
+                            }
+                            for name, value in inputs.items()
+                        ],
+                    ).all()
+                )
             _insert_calls(c, run_id, plans, 0, now, variables, types)
             if events:
                 append_in(c, [(run_id, t, p) for t, p in events], now)
@@ -255,19 +326,18 @@ class RunsMixin(StoreBase):
             if run.status in RUN_FINISHED:
                 raise InvalidRequestError(f"run {run_id!r} is {run.status}")
             rows = c.execute(
-                select(_VARS.c.name, _VARS.c.id, _VARS.c.producer_call, _VARS.c.status)
-                .where(_VARS.c.run_id == run_id)
+                select(_VARS.c.name, _VARS.c.id, _VARS.c.producer_call, _VARS.c.status).where(
+                    _VARS.c.run_id == run_id
+                )
             ).all()
             produced = {n: p for n, _, p, _ in rows if p is not None}
             given = [n for n, _, p, st in rows if p is None and st == "ready"]
             last = c.scalar(select(func.max(_CALLS.c.idx)).where(_CALLS.c.run_id == run_id))
             first = 0 if last is None else last + 1
             check_producers(plans, produced, given, first)
-            _insert_calls(c, run_id, plans, first, utcnow(), {n: i for n, i, _, _ in rows},
-                          types)
+            _insert_calls(c, run_id, plans, first, utcnow(), {n: i for n, i, _, _ in rows}, types)
             if program is not None:
-                c.execute(update(_RUNS).where(_RUNS.c.id == run_id)
-                          .values(program=dict(program)))
+                c.execute(update(_RUNS).where(_RUNS.c.id == run_id).values(program=dict(program)))
             if events:
                 append_in(c, [(run_id, t, p) for t, p in events])
             return list(range(first, first + len(plans)))
@@ -288,9 +358,16 @@ class RunsMixin(StoreBase):
             if "objective" not in plan and "task_group" not in plan:
                 continue
             # a key left out keeps its value
-            rows.append({"rid": run_id, "b_idx": idx, "has_objective": "objective" in plan,
-                         "b_objective": plan.get("objective"), "has_group": "task_group" in plan,
-                         "b_task_group": plan.get("task_group")})
+            rows.append(
+                {
+                    "rid": run_id,
+                    "b_idx": idx,
+                    "has_objective": "objective" in plan,
+                    "b_objective": plan.get("objective"),
+                    "has_group": "task_group" in plan,
+                    "b_task_group": plan.get("task_group"),
+                }
+            )
         with self._conn_write() as c:
             if events:
                 append_in(c, [(run_id, t, p) for t, p in events])
@@ -309,8 +386,12 @@ class RunsMixin(StoreBase):
         if status not in RUN_STATUSES:
             raise InvalidRequestError(f"bad run status {status!r}")
         now = utcnow()
-        params = {"rid": run_id, "status": status, "error": error,
-                  "finished_at": now if status in RUN_FINISHED else None}
+        params = {
+            "rid": run_id,
+            "status": status,
+            "error": error,
+            "finished_at": now if status in RUN_FINISHED else None,
+        }
         with self._conn_write() as c:
             changed = c.execute(_SET_STATUS, params).rowcount
             if changed and status == "cancelled":
@@ -394,16 +475,20 @@ class RunsMixin(StoreBase):
             won = s.execute(
                 update(Run)
                 .where(Run.id == run_id, Run.status.in_(RUN_UNFINISHED))
-                .where((Run.owner.is_(None)) | (Run.owner == worker)
-                       | (Run.owner_lease_expires_at < now))
+                .where(
+                    (Run.owner.is_(None))
+                    | (Run.owner == worker)
+                    | (Run.owner_lease_expires_at < now)
+                )
                 .values(owner=worker, owner_lease_expires_at=now + timedelta(seconds=lease_s))
             ).rowcount
             if won:
                 # the previous owner stopped renewing: the calls it held are stale claims
                 s.execute(
                     update(Call)
-                    .where(Call.run_id == run_id, Call.status.in_(CALL_HELD),
-                           Call.claimed_by != worker)
+                    .where(
+                        Call.run_id == run_id, Call.status.in_(CALL_HELD), Call.claimed_by != worker
+                    )
                     .values(status="pending", claimed_by=None, lease_expires_at=None)
                 )
         return bool(won)
@@ -421,10 +506,15 @@ class RunsMixin(StoreBase):
         """Unfinished runs with no live owner other than ``worker`` (oldest first)."""
         now = utcnow()
         with self._read() as s:
-            return list(s.scalars(
-                select(Run.id)
-                .where(Run.status.in_(RUN_UNFINISHED))
-                .where((Run.owner.is_(None)) | (Run.owner == worker)
-                       | (Run.owner_lease_expires_at < now))
-                .order_by(Run.created_at)
-            ))
+            return list(
+                s.scalars(
+                    select(Run.id)
+                    .where(Run.status.in_(RUN_UNFINISHED))
+                    .where(
+                        (Run.owner.is_(None))
+                        | (Run.owner == worker)
+                        | (Run.owner_lease_expires_at < now)
+                    )
+                    .order_by(Run.created_at)
+                )
+            )

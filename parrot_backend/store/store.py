@@ -14,9 +14,7 @@ from parrot_backend.store.variables import VariablesMixin
 from parrot_backend.store.workflows import WorkflowsMixin
 
 
-class Store(
-    TenantsMixin, WorkflowsMixin, RunsMixin, VariablesMixin, CallsMixin, EventsMixin
-):
+class Store(TenantsMixin, WorkflowsMixin, RunsMixin, VariablesMixin, CallsMixin, EventsMixin):
     """A SQL store of tenants, workflows, runs, variables, calls and events.
 
     Opening it checks the schema first: with ``upgrade=True`` (the server's default) an
@@ -27,8 +25,9 @@ class Store(
     Thread-safe; each process opens its own Store.
     """
 
-    def __init__(self, url: str | URL | None = None, *, upgrade: bool = True,
-                 pool_size: int = 5) -> None:
+    def __init__(
+        self, url: str | URL | None = None, *, upgrade: bool = True, pool_size: int = 5
+    ) -> None:
         parsed = parse_url(url if url is not None else default_url())
         self.url = parsed
         self.schema = schema.upgrade(parsed) if upgrade else schema.check(parsed)

@@ -21,8 +21,11 @@ _RUNS = Run.__table__
 # Prebuilt: the conditional UPDATE (``status = 'pending'``) is what makes a value write-once.
 _SET_VALUE = (
     update(_VARS)
-    .where(_VARS.c.run_id == bindparam("rid"), _VARS.c.name == bindparam("vname"),
-           _VARS.c.status == "pending")
+    .where(
+        _VARS.c.run_id == bindparam("rid"),
+        _VARS.c.name == bindparam("vname"),
+        _VARS.c.status == "pending",
+    )
     .values(value=bindparam("value"), status="ready", set_at=bindparam("now"))
 )
 _RUN_OWNER = select(_RUNS.c.tenant_id, _RUNS.c.open).where(_RUNS.c.id == bindparam("rid"))
@@ -38,9 +41,11 @@ def set_values_in(
     """
     conn = db.connection() if isinstance(db, Session) else db
     return [
-        name for name, value in values.items()
-        if conn.execute(_SET_VALUE, {"rid": run_id, "vname": name, "value": value,
-                                     "now": now}).rowcount
+        name
+        for name, value in values.items()
+        if conn.execute(
+            _SET_VALUE, {"rid": run_id, "vname": name, "value": value, "now": now}
+        ).rowcount
     ]
 
 
@@ -93,17 +98,28 @@ class VariablesMixin(StoreBase):
                 if owner is None:
                     raise NotFoundError(f"no run {run_id!r}")
                 rest = [n for n in values if n not in changed]
-                known = set(c.scalars(
-                    select(_VARS.c.name).where(_VARS.c.run_id == run_id, _VARS.c.name.in_(rest))
-                ))
+                known = set(
+                    c.scalars(
+                        select(_VARS.c.name).where(_VARS.c.run_id == run_id, _VARS.c.name.in_(rest))
+                    )
+                )
                 missing = [n for n in rest if n not in known]
                 if missing and not owner.open:
                     raise NotFoundError(f"run {run_id!r} has no variable(s) {missing}")
                 if missing:  # an open run takes new variables
-                    c.execute(insert(_VARS), [
-                        {"run_id": run_id, "name": n, "value": values[n], "status": "ready",
-                         "set_at": now} for n in missing
-                    ])
+                    c.execute(
+                        insert(_VARS),
+                        [
+                            {
+                                "run_id": run_id,
+                                "name": n,
+                                "value": values[n],
+                                "status": "ready",
+                                "set_at": now,
+                            }
+                            for n in missing
+                        ],
+                    )
                     changed.update(missing)
             names = [n for n in values if n in changed]
             if names and events:
@@ -127,9 +143,7 @@ class VariablesMixin(StoreBase):
         """One variable of a tenant's run."""
         with self._read() as s:
             _run(s, run_id, tenant_id)
-            var = s.scalar(
-                select(Variable).where(Variable.run_id == run_id, Variable.name == name)
-            )
+            var = s.scalar(select(Variable).where(Variable.run_id == run_id, Variable.name == name))
             if var is None:
                 raise NotFoundError(f"run {run_id!r} has no variable {name!r}")
             return variable_record(var)

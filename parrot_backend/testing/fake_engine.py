@@ -90,18 +90,34 @@ def byte_text(token_ids: list[int]) -> str:
     return raw.decode(errors="replace")
 
 
-def block_stats(block_size: int, capacity_tokens: int, used_tokens: int, **counts: int
-                ) -> EngineStats:
+def block_stats(
+    block_size: int, capacity_tokens: int, used_tokens: int, **counts: int
+) -> EngineStats:
     """Stats of a fake holding `used_tokens` in blocks of `block_size` (forks are not
     deduplicated); `counts` set the other fields (zero by default)."""
     total = capacity_tokens // block_size
     used = min(total, -(-used_tokens // block_size))
-    fields = dict(prefix_cache_enabled=False, prefix_cache_hits=0, prefix_cache_queries=0,
-                  contexts=0, running=0, waiting=0, tokens_computed=0, tokens_generated=0,
-                  preemptions=0, steps=0)
+    fields = dict(
+        prefix_cache_enabled=False,
+        prefix_cache_hits=0,
+        prefix_cache_queries=0,
+        contexts=0,
+        running=0,
+        waiting=0,
+        tokens_computed=0,
+        tokens_generated=0,
+        preemptions=0,
+        steps=0,
+    )
     fields.update(counts)
-    return EngineStats(block_size=block_size, blocks_total=total, blocks_used=used,
-                       blocks_free=total - used, blocks_cached=0, **fields)
+    return EngineStats(
+        block_size=block_size,
+        blocks_total=total,
+        blocks_used=used,
+        blocks_free=total - used,
+        blocks_cached=0,
+        **fields,
+    )
 
 
 @dataclass
@@ -155,6 +171,7 @@ class ContextTree:
         parent = self.parents.pop(context_id, None)
         if parent is not None:
             self.children[parent] -= 1
+
 
 @dataclass
 class ScriptedEngine(ContextTree):
@@ -255,8 +272,13 @@ class ScriptedEngine(ContextTree):
             self.freed.append(context_id)
 
     async def stats(self) -> EngineStats:
-        return block_stats(self.block_size, self.capacity_tokens, self.used_tokens,
-                           contexts=len(self.contexts), running=len(self.generating))
+        return block_stats(
+            self.block_size,
+            self.capacity_tokens,
+            self.used_tokens,
+            contexts=len(self.contexts),
+            running=len(self.generating),
+        )
 
 
 @dataclass
@@ -335,8 +357,9 @@ class FakeEngine(ContextTree):
 
     async def _generate(self, rec: Generation) -> AsyncIterator[TokenDelta]:
         ctx = rec.context_id
-        if ctx not in self.contexts and (rec.parent_id is None
-                                         or rec.parent_id not in self.contexts):
+        if ctx not in self.contexts and (
+            rec.parent_id is None or rec.parent_id not in self.contexts
+        ):
             raise ContextNotFound(f"context {ctx} not found")
         if ctx in self.generating:
             raise ContextBusy(f"context {ctx} is generating")
@@ -390,10 +413,18 @@ class FakeEngine(ContextTree):
         self.freed.append(context_id)
 
     async def stats(self) -> EngineStats:
-        return block_stats(16, 16_000, self.used_tokens, contexts=len(self.contexts),
-                           running=len(self.generating), prefix_cache_enabled=True,
-                           prefix_cache_hits=42, prefix_cache_queries=100, waiting=3,
-                           tokens_generated=self.tokens_generated)
+        return block_stats(
+            16,
+            16_000,
+            self.used_tokens,
+            contexts=len(self.contexts),
+            running=len(self.generating),
+            prefix_cache_enabled=True,
+            prefix_cache_hits=42,
+            prefix_cache_queries=100,
+            waiting=3,
+            tokens_generated=self.tokens_generated,
+        )
 
 
 _EOS = TokenDelta(EOS_ID, "", "stop")

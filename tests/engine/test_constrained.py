@@ -31,9 +31,12 @@ _I = {"type": "integer", "minimum": -50, "maximum": 50}
 
 
 def _obj(props: dict, required: list[str] | None = None) -> dict:
-    return {"type": "object", "properties": props,
-            "required": list(props) if required is None else required,
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props) if required is None else required,
+        "additionalProperties": False,
+    }
 
 
 SCHEMAS: list[dict] = [
@@ -56,31 +59,63 @@ SCHEMAS: list[dict] = [
     _obj({"id": {"type": "string", "format": "uuid"}}),
     _obj({"tags": {"type": "array", "items": _S, "maxItems": 3}}),
     _obj({"xs": {"type": "array", "items": _I, "minItems": 2, "maxItems": 4}}),
-    _obj({"pair": {"type": "array", "prefixItems": [_I, {"type": "boolean"}], "items": False,
-                   "minItems": 2}}),
-    _obj({"grid": {"type": "array", "maxItems": 2,
-                   "items": {"type": "array", "items": _I, "maxItems": 2}}}),
+    _obj(
+        {
+            "pair": {
+                "type": "array",
+                "prefixItems": [_I, {"type": "boolean"}],
+                "items": False,
+                "minItems": 2,
+            }
+        }
+    ),
+    _obj(
+        {
+            "grid": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {"type": "array", "items": _I, "maxItems": 2},
+            }
+        }
+    ),
     _obj({"user": _obj({"id": _I, "name": _S})}),
     _obj({"a": _obj({"b": _obj({"c": _obj({"d": {"type": "boolean"}})})})}),
     _obj({"v": {"anyOf": [_I, _S, {"type": "null"}]}}),
     _obj({"shape": {"anyOf": [_obj({"r": _I}), _obj({"w": _I, "h": _I})]}}),
     _obj({"v": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}}),
-    _obj({"name": _S, "age": _I, "email": {"type": "string", "pattern": "^[a-z]{1,5}@x\\.io$"}},
-         required=["name"]),
+    _obj(
+        {"name": _S, "age": _I, "email": {"type": "string", "pattern": "^[a-z]{1,5}@x\\.io$"}},
+        required=["name"],
+    ),
     _obj({"opt": _I}, required=[]),
-    {"allOf": [_obj({"a": _I}, required=["a"]),
-               {"properties": {"a": {"maximum": 5}}}]},
-    {"$defs": {"leaf": _obj({"v": _I})},
-     "type": "object", "properties": {"left": {"$ref": "#/$defs/leaf"},
-                                      "right": {"$ref": "#/$defs/leaf"}},
-     "required": ["left", "right"], "additionalProperties": False},
-    {"$defs": {"node": {"type": "object", "additionalProperties": False,
-                        "properties": {"v": _I, "next": {"anyOf": [{"$ref": "#/$defs/node"},
-                                                                   {"type": "null"}]}},
-                        "required": ["v", "next"]}},
-     "$ref": "#/$defs/node"},
-    {"type": "array", "items": _obj({"k": {"enum": ["a", "b"]}, "n": _I}), "minItems": 1,
-     "maxItems": 3},
+    {"allOf": [_obj({"a": _I}, required=["a"]), {"properties": {"a": {"maximum": 5}}}]},
+    {
+        "$defs": {"leaf": _obj({"v": _I})},
+        "type": "object",
+        "properties": {"left": {"$ref": "#/$defs/leaf"}, "right": {"$ref": "#/$defs/leaf"}},
+        "required": ["left", "right"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "v": _I,
+                    "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+                },
+                "required": ["v", "next"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    {
+        "type": "array",
+        "items": _obj({"k": {"enum": ["a", "b"]}, "n": _I}),
+        "minItems": 1,
+        "maxItems": 3,
+    },
     {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 3},
     {"type": "integer", "minimum": 100, "maximum": 999},
     {"type": "string", "pattern": "^(yes|no|maybe)$"},
@@ -111,12 +146,14 @@ def _engine(tiny_model_dir, **kw) -> Engine:
 def _sampling(constraint: Constraint, seed: int | None, **kw) -> SamplingParams:
     if seed is None:
         return SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint, **kw)
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
-                          constraint=constraint, **kw)
+    return SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, constraint=constraint, **kw
+    )
 
 
-async def _generate_all(engine: Engine, constraints: list[Constraint], prompt: str
-                        ) -> list[tuple[Constraint, int | None, str, str]]:
+async def _generate_all(
+    engine: Engine, constraints: list[Constraint], prompt: str
+) -> list[tuple[Constraint, int | None, str, str]]:
     """Every constraint under every seed, all at once (one batch), each in a fork of one
     filled prompt; returns (constraint, seed, text, finish reason)."""
     await engine.fill("prompt", None, engine.tokenize(prompt))
@@ -125,8 +162,7 @@ async def _generate_all(engine: Engine, constraints: list[Constraint], prompt: s
         _, text, deltas = await collect(engine, f"c{i}-{seed}", "prompt", _sampling(c, seed))
         return c, seed, text, deltas[-1].finish_reason
 
-    return await asyncio.gather(*(one(i, c, s) for i, c in enumerate(constraints)
-                                  for s in SEEDS))
+    return await asyncio.gather(*(one(i, c, s) for i, c in enumerate(constraints) for s in SEEDS))
 
 
 def test_every_json_schema_output_validates(tiny_model_dir):
@@ -140,7 +176,7 @@ def test_every_json_schema_output_validates(tiny_model_dir):
 
     results = asyncio.run(main())
     assert len(results) == len(SCHEMAS) * len(SEEDS)
-    for (constraint, seed, text, finish) in results:
+    for constraint, seed, text, finish in results:
         schema = json.loads(constraint.spec)
         assert finish == "stop", (schema, seed, text)
         assert valid(schema, text), (schema, text)
@@ -204,8 +240,12 @@ def test_every_choice_output_is_one_of_the_choices(tiny_model_dir):
     assert picked <= set(CHOICES[1])
 
 
-FORK_SCHEMA = Constraint("json_schema", json.dumps(
-    {"type": "array", "items": _obj({"name": _S, "n": _I}), "minItems": 4, "maxItems": 4}))
+FORK_SCHEMA = Constraint(
+    "json_schema",
+    json.dumps(
+        {"type": "array", "items": _obj({"name": _S, "n": _I}), "minItems": 4, "maxItems": 4}
+    ),
+)
 
 
 def test_fork_continues_its_parents_grammar_state(tiny_model_dir):
@@ -219,10 +259,12 @@ def test_fork_continues_its_parents_grammar_state(tiny_model_dir):
             await engine.fill("whole", None, prompt)
             whole = await collect(engine, "whole", None, _sampling(FORK_SCHEMA, None))
             await engine.fill("p", None, prompt)
-            a = await collect(engine, "p", None,
-                              SamplingParams(max_tokens=7, constraint=FORK_SCHEMA))
-            b = await collect(engine, "c1", "p",
-                              SamplingParams(max_tokens=9, constraint=FORK_SCHEMA))
+            a = await collect(
+                engine, "p", None, SamplingParams(max_tokens=7, constraint=FORK_SCHEMA)
+            )
+            b = await collect(
+                engine, "c1", "p", SamplingParams(max_tokens=9, constraint=FORK_SCHEMA)
+            )
             c = await collect(engine, "c2", "c1", _sampling(FORK_SCHEMA, None))
             # a sibling fork of the parent continues the same state independently
             d = await collect(engine, "c3", "p", _sampling(FORK_SCHEMA, None))
@@ -245,8 +287,9 @@ def test_continuation_on_the_same_context_keeps_the_state_and_a_fill_resets_it(t
             await engine.fill("whole", None, prompt)
             whole = await collect(engine, "whole", None, _sampling(FORK_SCHEMA, None))
             await engine.fill("x", None, prompt)
-            first = await collect(engine, "x", None,
-                                  SamplingParams(max_tokens=10, constraint=FORK_SCHEMA))
+            first = await collect(
+                engine, "x", None, SamplingParams(max_tokens=10, constraint=FORK_SCHEMA)
+            )
             rest = await collect(engine, "x", None, _sampling(FORK_SCHEMA, None))
             # after a fill the context no longer ends where the grammar left off: new value
             await engine.fill("x", None, engine.tokenize("\nAgain:"))
@@ -270,8 +313,9 @@ def test_unconstrained_children_of_a_constrained_parent_are_free(tiny_model_dir)
             await collect(engine, "p", None, SamplingParams(max_tokens=3, constraint=FORK_SCHEMA))
             after_constrained = await collect(engine, "k", "p", free)
             other = Constraint("regex", "[0-9]{3}")
-            digits = await collect(engine, "k2", "p", SamplingParams(max_tokens=8,
-                                                                       constraint=other))
+            digits = await collect(
+                engine, "k2", "p", SamplingParams(max_tokens=8, constraint=other)
+            )
             await engine.fill("q", None, engine.context_tokens("p"))
             plain = await collect(engine, "q", None, free)
             return after_constrained, digits, plain
@@ -281,12 +325,16 @@ def test_unconstrained_children_of_a_constrained_parent_are_free(tiny_model_dir)
     assert re.fullmatch("[0-9]{3}", digits[1])
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(max_tokens=1),
-    SamplingParams(max_tokens=1, temperature=0.8, seed=3),
-    SamplingParams(max_tokens=1, temperature=1.3, top_k=50, seed=4),
-    SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=5),
-], ids=["greedy", "temperature", "top-k", "top-p"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=1, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=1, temperature=1.3, top_k=50, seed=4),
+        SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=5),
+    ],
+    ids=["greedy", "temperature", "top-k", "top-p"],
+)
 def test_constrained_sampler_with_an_all_allowing_mask_equals_the_plain_sampler(sampling):
     plain, masked = Sampler(sampling), Sampler(sampling)
     masked.grammar = object()  # only its presence matters to the sampler
@@ -304,8 +352,9 @@ def test_batched_masks_equal_each_matchers_own_mask(tiny_model_dir):
     compiler = GrammarCompiler(tokenizer, 49152, frozenset({2}))
     states = [compiler.start(Constraint("json_schema", json.dumps(s)), 0) for s in SCHEMAS[:8]]
     states.append(compiler.start(Constraint("choice", ("yes", "no")), 0))
-    for state, token in zip(states, tokenizer.encode('{"', add_special_tokens=False) * 8,
-                            strict=False):
+    for state, token in zip(
+        states, tokenizer.encode('{"', add_special_tokens=False) * 8, strict=False
+    ):
         state.consume(token)  # different states: some advanced, the choice at its start
     for state, banned in zip(states, grammar_masks(states, 49152), strict=True):
         allowed = torch.tensor(list(state.matcher.compute_logit_bias()), dtype=torch.int32) > 0
@@ -316,8 +365,9 @@ def test_batched_masks_equal_each_matchers_own_mask(tiny_model_dir):
 def test_compiled_grammars_are_cached_by_spec(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(str(tiny_model_dir)), 49152,
-                               frozenset({2}), max_cached=2)
+    compiler = GrammarCompiler(
+        AutoTokenizer.from_pretrained(str(tiny_model_dir)), 49152, frozenset({2}), max_cached=2
+    )
     a, b, c = (Constraint("regex", r) for r in ("a+", "b+", "c+"))
     assert compiler.compile(a) is compiler.compile(a)
     compiler.compile(Constraint("regex", "a+", require_complete=True))  # same grammar
@@ -327,30 +377,38 @@ def test_compiled_grammars_are_cached_by_spec(tiny_model_dir):
     assert not compiler.is_cached(a) and compiler.is_cached(b) and compiler.is_cached(c)
 
 
-@pytest.mark.parametrize(("schema", "named"), [
-    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-    ({"not": {"type": "string"}}, "not"),
-    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if, then"),
-    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
-    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
-])
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if, then"),
+        ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
 def test_unsupported_schema_keywords_are_named(schema, named):
     with pytest.raises(GrammarError, match=f"does not support: {named}$"):
         check(Constraint("json_schema", json.dumps(schema)))
 
 
-@pytest.mark.parametrize(("constraint", "message"), [
-    (Constraint("json_schema", "{not json"), "not valid JSON"),
-    (Constraint("json_schema", "[1, 2]"), "must be a JSON object"),
-    (Constraint("json_schema", json.dumps({"type": "bogus"})), "Invalid type: bogus"),
-    (Constraint("json_schema", json.dumps({"type": "string", "format": "x-no"})),
-     "Unknown format"),
-    (Constraint("regex", "[a-z"), "unclosed character class"),
-    (Constraint("choice", ()), "non-empty list"),
-    (Constraint("choice", ("a", "")), "non-empty list"),
-    (Constraint("lark", "start: nothere"), "nothere"),
-    (Constraint("sql", "x"), "kind must be one of"),
-])
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (Constraint("json_schema", "{not json"), "not valid JSON"),
+        (Constraint("json_schema", "[1, 2]"), "must be a JSON object"),
+        (Constraint("json_schema", json.dumps({"type": "bogus"})), "Invalid type: bogus"),
+        (
+            Constraint("json_schema", json.dumps({"type": "string", "format": "x-no"})),
+            "Unknown format",
+        ),
+        (Constraint("regex", "[a-z"), "unclosed character class"),
+        (Constraint("choice", ()), "non-empty list"),
+        (Constraint("choice", ("a", "")), "non-empty list"),
+        (Constraint("lark", "start: nothere"), "nothere"),
+        (Constraint("sql", "x"), "kind must be one of"),
+    ],
+)
 def test_malformed_constraints_are_invalid_requests(constraint, message):
     with pytest.raises(InvalidRequest, match=re.escape(message)):
         check(constraint)
@@ -397,23 +455,50 @@ def test_require_complete_fails_a_cut_generation_instead_of_ending_it(tiny_model
     assert done[2][-1].finish_reason == "stop" and json.loads(done[1])
 
 
-@pytest.mark.parametrize(("schema", "expected"), [
-    ({"type": "object", "properties": {"a": {"type": "integer"}}},
-     {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}),
-    ({"properties": {"a": {}}, "additionalProperties": True},
-     {"properties": {"a": {}}, "additionalProperties": True}),
-    ({"type": "array", "items": {"properties": {"x": {}}}},
-     {"type": "array", "items": {"properties": {"x": {}}, "additionalProperties": False}}),
-    ({"anyOf": [{"properties": {"q": {}}}], "$defs": {"n": {"properties": {}}}},
-     {"anyOf": [{"properties": {"q": {}}, "additionalProperties": False}],
-      "$defs": {"n": {"properties": {}, "additionalProperties": False}}}),
-    # properties combined with branches stay open, branches too
-    ({"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
-     {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]}),
-    ({"allOf": [{"properties": {"a": {}}}]}, {"allOf": [{"properties": {"a": {}}}]}),
-    ({"type": "object"}, {"type": "object"}),  # no properties listed: any object
-], ids=["object", "explicitly-open", "items", "branches-and-defs", "combined", "allOf",
-        "any-object"])
+@pytest.mark.parametrize(
+    ("schema", "expected"),
+    [
+        (
+            {"type": "object", "properties": {"a": {"type": "integer"}}},
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+        ),
+        (
+            {"properties": {"a": {}}, "additionalProperties": True},
+            {"properties": {"a": {}}, "additionalProperties": True},
+        ),
+        (
+            {"type": "array", "items": {"properties": {"x": {}}}},
+            {"type": "array", "items": {"properties": {"x": {}}, "additionalProperties": False}},
+        ),
+        (
+            {"anyOf": [{"properties": {"q": {}}}], "$defs": {"n": {"properties": {}}}},
+            {
+                "anyOf": [{"properties": {"q": {}}, "additionalProperties": False}],
+                "$defs": {"n": {"properties": {}, "additionalProperties": False}},
+            },
+        ),
+        # properties combined with branches stay open, branches too
+        (
+            {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
+            {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
+        ),
+        ({"allOf": [{"properties": {"a": {}}}]}, {"allOf": [{"properties": {"a": {}}}]}),
+        ({"type": "object"}, {"type": "object"}),  # no properties listed: any object
+    ],
+    ids=[
+        "object",
+        "explicitly-open",
+        "items",
+        "branches-and-defs",
+        "combined",
+        "allOf",
+        "any-object",
+    ],
+)
 def test_objects_that_list_properties_are_closed(schema, expected):
     assert closed(schema) == expected
 
@@ -424,8 +509,9 @@ def test_a_closed_schema_keeps_noise_from_adding_keys(tiny_model_dir):
 
     async def main():
         async with engine:
-            return await _generate_all(engine, [Constraint("json_schema", json.dumps(schema))],
-                                       "JSON:")
+            return await _generate_all(
+                engine, [Constraint("json_schema", json.dumps(schema))], "JSON:"
+            )
 
     for _, _, text, finish in asyncio.run(main()):
         assert finish == "stop" and list(json.loads(text)) == ["n"], text

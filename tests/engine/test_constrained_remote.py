@@ -19,9 +19,19 @@ from .helpers import collect
 
 KEY = "sk-engine"
 CONSTRAINTS = [
-    Constraint("json_schema", json.dumps({"type": "object", "properties": {
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-        "required": ["tags"], "additionalProperties": False})),
+    Constraint(
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}
+                },
+                "required": ["tags"],
+                "additionalProperties": False,
+            }
+        ),
+    ),
     Constraint("regex", r"[0-9]{2}-[a-z]{2}"),
     Constraint("choice", ("left", "right", 'with "quotes"')),
 ]
@@ -32,11 +42,15 @@ async def engines(tiny_model_dir):
     local = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
     async with local:
         app = create_engine_app(local, api_key=KEY)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e",
-                                   headers={"Authorization": f"Bearer {KEY}"})
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://e",
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
         info = (await client.get("/engine/info")).json()
-        remote = RemoteEngine("http://e", api_key=KEY, info=info, tokenizer=local.tokenizer,
-                              client=client)
+        remote = RemoteEngine(
+            "http://e", api_key=KEY, info=info, tokenizer=local.tokenizer, client=client
+        )
         try:
             yield local, remote
         finally:
@@ -51,8 +65,11 @@ async def test_remote_constrained_generation_equals_in_process(engines, constrai
     for i, engine in enumerate((local, remote)):
         await engine.fill(f"p{i}", None, prompt)
         tokens, text, deltas = await collect(
-            engine, f"p{i}", None, SamplingParams(max_tokens=40, temperature=1.0, seed=7,
-                                                  constraint=constraint))
+            engine,
+            f"p{i}",
+            None,
+            SamplingParams(max_tokens=40, temperature=1.0, seed=7, constraint=constraint),
+        )
         outputs.append((tokens, text, deltas[-1].finish_reason))
         await engine.free(f"p{i}")
     assert outputs[0] == outputs[1]

@@ -32,14 +32,15 @@ async def _gen(engine, cid, prompt, sampling, priority, log):
 
 
 def test_an_urgent_request_overtakes_a_full_batch_of_throughput_work(tiny_model_dir):
-    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, max_num_seqs=2,
-                                    progress=False)
+    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, max_num_seqs=2, progress=False)
 
     async def go(urgent: bool):
         log: list[str] = []
         async with engine:
-            bulk = [asyncio.create_task(_gen(engine, f"bulk{i}", _prompt(20, i), LONG, 1, log))
-                    for i in range(2)]
+            bulk = [
+                asyncio.create_task(_gen(engine, f"bulk{i}", _prompt(20, i), LONG, 1, log))
+                for i in range(2)
+            ]
             while len(log) < 4:  # both throughput requests are decoding
                 await asyncio.sleep(0.001)
             tokens = []

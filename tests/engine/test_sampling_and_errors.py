@@ -249,8 +249,10 @@ def test_engine_contract_and_manager_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import parrot_backend.contract.engine, parrot_backend.manager.manager;"
-            " assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys; import parrot_backend.contract.engine, parrot_backend.manager.manager;"
+        " assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -16,8 +16,7 @@ from parrot_backend.engine.sampler import Sampler
 
 from .helpers import collect
 
-TEMPERATURES = [5e-324, 1e-300, 1e-45, 1e-38, 1e-8, 1e-5, 1e-3, 0.7, 1.0, 2.0, 1e3, 1e30,
-                1.7e308]
+TEMPERATURES = [5e-324, 1e-300, 1e-45, 1e-38, 1e-8, 1e-5, 1e-3, 0.7, 1.0, 2.0, 1e3, 1e30, 1.7e308]
 TOP_PS = [5e-324, 1e-300, 1e-45, 1e-8, 0.3, 0.9, 1.0]
 TOP_KS = [0, 1, 2, 50, 49151, 49152]
 
@@ -71,10 +70,14 @@ def test_the_engine_serves_extreme_sampling_values_and_keeps_serving(tiny_model_
         async with engine:
             outs = []
             for i in range(12):
-                params = SamplingParams(max_tokens=4, ignore_eos=True,
-                                        temperature=rng.choice(TEMPERATURES),
-                                        top_p=rng.choice(TOP_PS), top_k=rng.choice(TOP_KS),
-                                        seed=i)
+                params = SamplingParams(
+                    max_tokens=4,
+                    ignore_eos=True,
+                    temperature=rng.choice(TEMPERATURES),
+                    top_p=rng.choice(TOP_PS),
+                    top_k=rng.choice(TOP_KS),
+                    seed=i,
+                )
                 await engine.fill(i, None, [5 + i, 6, 7, 8])
                 outs.append(await collect(engine, i, None, params))
                 await engine.free(i)

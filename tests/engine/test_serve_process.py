@@ -29,9 +29,23 @@ def _start(model_dir, env_extra=None):
     env = {**os.environ, "PARROT_DATA_DIR": data_dir, **(env_extra or {})}
     env.pop("PARROT_DATABASE_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parrot_backend.cli", "serve", "--model", str(model_dir),
-         "--port", str(port), "--num-blocks", "64"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "parrot_backend.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--num-blocks",
+            "64",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -48,8 +62,11 @@ def _start(model_dir, env_extra=None):
 def test_serve_exits_non_zero_when_the_engine_dies(tiny_model_dir):
     proc, port = _start(tiny_model_dir, {"PARROT_FAULT_ENGINE_STEP": "2"})
     try:
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                       json={"model": _model(port), "prompt": "hello there", "max_tokens": 8})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=30,
+            json={"model": _model(port), "prompt": "hello there", "max_tokens": 8},
+        )
         assert r.status_code >= 500 or r.status_code == 200
         code = proc.wait(timeout=30)
     finally:
@@ -63,8 +80,11 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigint(tiny_model_dir):
 
     proc, port = _start(tiny_model_dir)
     try:
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                       json={"model": _model(port), "prompt": "hello there", "max_tokens": 4})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=30,
+            json={"model": _model(port), "prompt": "hello there", "max_tokens": 4},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] <= 4
         proc.send_signal(signal.SIGINT)

@@ -33,8 +33,15 @@ class FakeMachine:
 
 
 def _tuner(machine: FakeMachine, **kw) -> ThreadTuner:
-    return ThreadTuner(2, probe_every_s=1.0, max_probe_every_s=4.0, probe_steps=3,
-                       clock=lambda: machine.now, set_threads=machine.applied.append, **kw)
+    return ThreadTuner(
+        2,
+        probe_every_s=1.0,
+        max_probe_every_s=4.0,
+        probe_steps=3,
+        clock=lambda: machine.now,
+        set_threads=machine.applied.append,
+        **kw,
+    )
 
 
 def test_the_tuner_drops_to_one_thread_under_contention_and_comes_back():
@@ -68,14 +75,16 @@ def test_one_and_two_threads_give_the_same_logits_and_tokens(tiny_model_dir):
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def tokens(threads: int):
-        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=64, threads=threads,
-                                        progress=False)
+        engine = Engine.from_pretrained(
+            tiny_model_dir, num_blocks=64, threads=threads, progress=False
+        )
 
         async def go():
             async with engine:
                 await engine.fill("a", None, prompt)
-                return (await collect(engine, "a", None,
-                                      SamplingParams(max_tokens=12, ignore_eos=True)))[0]
+                return (
+                    await collect(engine, "a", None, SamplingParams(max_tokens=12, ignore_eos=True))
+                )[0]
 
         return asyncio.run(go()), engine.threads.describe()
 

@@ -11,12 +11,15 @@ BLOCK_SIZE = 16
 
 def tol(dtype: torch.dtype) -> dict[str, float]:
     """assert_close tolerances: fp32 kernels run IEEE dots; fp16 keeps ~3 decimal digits."""
-    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3,
-                                                                          "rtol": 4e-3}
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
 
 
 def random_cache(
-    num_blocks: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device,
+    num_blocks: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    device: torch.device,
     gen: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V caches full of random (never zero) values."""
@@ -27,7 +30,10 @@ def random_cache(
 
 
 def random_tables(
-    lens: list[int], num_blocks: int, gen: torch.Generator, device: torch.device,
+    lens: list[int],
+    num_blocks: int,
+    gen: torch.Generator,
+    device: torch.device,
     reserved: int = 0,
 ) -> torch.Tensor:
     """Block tables whose blocks are distinct, shuffled, and never the first `reserved`."""
@@ -48,14 +54,19 @@ def poisoned(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def randn(*shape: int, dtype: torch.dtype, device: torch.device,
-          gen: torch.Generator) -> torch.Tensor:
+def randn(
+    *shape: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
 
 
 def forked_group(
-    kc: torch.Tensor, vc: torch.Tensor, prefix_len: int, suffix_lens: list[int],
-    first_free: int, gen: torch.Generator,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    prefix_len: int,
+    suffix_lens: list[int],
+    first_free: int,
+    gen: torch.Generator,
 ) -> tuple[list[int], torch.Tensor, int]:
     """Lay out a group forked from one ancestor, the way the engine's context tree does.
 

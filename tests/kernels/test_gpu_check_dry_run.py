@@ -20,8 +20,16 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["env", "pytest_kernels", "kernel_sweep", "engine_logits", "engine_greedy",
-            "kernel_speed", "bench_attention", "engine_throughput"]
+SECTIONS = [
+    "env",
+    "pytest_kernels",
+    "kernel_sweep",
+    "engine_logits",
+    "engine_greedy",
+    "kernel_speed",
+    "bench_attention",
+    "engine_throughput",
+]
 KERNELS = ["kv_store", "paged_decode", "extend", "shared_prefix", "merge"]
 
 
@@ -30,9 +38,20 @@ def dry_run(tmp_path_factory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("gpu-check") / "out"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--cpu-dry-run",
-         "--budget-s", "400"], capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**env, "PYTHON": sys.executable})
+        [
+            "bash",
+            str(ROOT / "benchmarks" / "gpu_check.sh"),
+            str(out),
+            "--cpu-dry-run",
+            "--budget-s",
+            "400",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**env, "PYTHON": sys.executable},
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     return out, json.loads((out / "results.json").read_text()), res.stdout
 
@@ -67,10 +86,14 @@ def test_sections_measure_what_they_claim(dry_run):
     assert s["bench_attention"]["rows"]
     tput = s["engine_throughput"]
     assert {(r["backend"], r["batch"]) for r in tput["rows"]} == {
-        (b, n) for b in ("torch", "triton") for n in (1, 2)}
+        (b, n) for b in ("torch", "triton") for n in (1, 2)
+    }
     assert all(r["tok_s"] > 0 for r in tput["rows"])
-    assert [r["backend"] for r in tput["fork"]["rows"]] == ["torch", "triton shared",
-                                                           "triton plain"]
+    assert [r["backend"] for r in tput["fork"]["rows"]] == [
+        "torch",
+        "triton shared",
+        "triton plain",
+    ]
 
 
 def test_the_report_fits_what_a_device_call_brings_back(dry_run):
@@ -84,19 +107,36 @@ def test_the_report_fits_what_a_device_call_brings_back(dry_run):
         assert f"## {name}:" in md
         assert re.search(rf"^\| {name} \| ok \|", md, re.M), name
     # the summary table is printed last, so the device call's output tail shows it
-    assert any(line.startswith("| engine_throughput | ok |")
-               for line in stdout.strip().splitlines()[-4:])
+    assert any(
+        line.startswith("| engine_throughput | ok |") for line in stdout.strip().splitlines()[-4:]
+    )
     assert (out / "log.txt").read_text().strip().endswith(stdout.strip().splitlines()[-1])
 
 
 def test_a_crash_a_hang_and_an_exception_cost_only_their_own_sections(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "GPU_CHECK_FAULT": "kernel_sweep:hang,engine_logits:crash,engine_greedy:raise"}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "GPU_CHECK_FAULT": "kernel_sweep:hang,engine_logits:crash,engine_greedy:raise",
+    }
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--cpu-dry-run",
-         "--only", "kernel_sweep,engine_logits,engine_greedy", "--max-box-s", "6"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            str(out),
+            "--cpu-dry-run",
+            "--only",
+            "kernel_sweep,engine_logits,engine_greedy",
+            "--max-box-s",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-2000:]  # not all ok
     secs = json.loads((out / "results.json").read_text())["sections"]
     assert secs["kernel_sweep"]["status"] == "timeout"
@@ -110,19 +150,21 @@ def test_a_crash_a_hang_and_an_exception_cost_only_their_own_sections(tmp_path):
 
 def test_speed_goals_are_judged_from_the_measured_rows(monkeypatch):
     """The GPU-only part of kernel_speed (the dry run reports no goals)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" /
-                                                  "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look it up
     spec.loader.exec_module(gpu_check)
-    rows = {"shared": [{"shape": "llama3-8b", "prefix": 8192, "group": 64, "speedup": 12.5,
-                        "frac": 0.71},
-                       {"shape": "smollm2", "prefix": 8192, "group": 64, "speedup": 8.0,
-                        "frac": 0.85},
-                       {"shape": "smollm2", "prefix": 2048, "group": 64, "speedup": 5.0,
-                        "frac": 0.9}],
-            "crossover": [{"shape": "smollm2", "group": 8, "gate_slower_at": [256]},
-                          {"shape": "smollm2", "group": 64, "gate_slower_at": []}]}
+    rows = {
+        "shared": [
+            {"shape": "llama3-8b", "prefix": 8192, "group": 64, "speedup": 12.5, "frac": 0.71},
+            {"shape": "smollm2", "prefix": 8192, "group": 64, "speedup": 8.0, "frac": 0.85},
+            {"shape": "smollm2", "prefix": 2048, "group": 64, "speedup": 5.0, "frac": 0.9},
+        ],
+        "crossover": [
+            {"shape": "smollm2", "group": 8, "gate_slower_at": [256]},
+            {"shape": "smollm2", "group": 64, "gate_slower_at": []},
+        ],
+    }
     goals = gpu_check.speed_goals(rows)
     met = {g["goal"].split(" (")[0]: g["met"] for g in goals}
     assert met == {

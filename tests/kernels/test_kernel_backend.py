@@ -37,8 +37,15 @@ MIXED = [
 ]
 
 
-def _batch(spec, group: int, d: int, dtype: torch.dtype, device: torch.device, seed: int,
-           shuffle: bool = False):
+def _batch(
+    spec,
+    group: int,
+    d: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    shuffle: bool = False,
+):
     """Build one step from `spec` on a random paged cache, with real AttentionMetadata.
 
     Group members decode one token each. With `shuffle`, sequences are permuted so that a
@@ -62,8 +69,7 @@ def _batch(spec, group: int, d: int, dtype: torch.dtype, device: torch.device, s
             members.append(len(seqs))
             seqs.append((rows[j, : math.ceil((a + suffix) / B)].tolist(), a + suffix, 1))
         members_of.append((members, a, blocks))
-    order = torch.randperm(len(seqs), generator=gen).tolist() if shuffle else list(
-        range(len(seqs)))
+    order = torch.randperm(len(seqs), generator=gen).tolist() if shuffle else list(range(len(seqs)))
     where = {old: new for new, old in enumerate(order)}
     seqs = [seqs[i] for i in order]
     groups = [PrefixGroup([where[m] for m in ms], p, blk) for ms, p, blk in members_of]
@@ -77,8 +83,12 @@ def _batch(spec, group: int, d: int, dtype: torch.dtype, device: torch.device, s
         slots += [table[p // B] * B + p % B for p in range(n - ql, n)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start=query_start, seq_lens=[n for _, n, _ in seqs],
-        block_tables=block_tables.to(device), block_size=B, prefix_groups=groups)
+        query_start=query_start,
+        seq_lens=[n for _, n, _ in seqs],
+        block_tables=block_tables.to(device),
+        block_size=B,
+        prefix_groups=groups,
+    )
     t = query_start[-1]
     q = randn(t, HKV * group, d, dtype=dtype, device=device, gen=gen)
     k_new = randn(t, HKV, d, dtype=dtype, device=device, gen=gen)
@@ -98,14 +108,21 @@ def _random_spec(seed: int):
         n = rng.randint(1, 3 * B)
         spec.append(("fresh", n, rng.choice([1, 1, rng.randint(1, n)])))
     for _ in range(rng.randint(1, 2)):
-        spec.append(("group", rng.choice([0, 1, B - 1, B, rng.randint(2, 3 * B)]),
-                     [rng.randint(1, 2 * B) for _ in range(rng.randint(1, 4))]))
+        spec.append(
+            (
+                "group",
+                rng.choice([0, 1, B - 1, B, rng.randint(2, 3 * B)]),
+                [rng.randint(1, 2 * B) for _ in range(rng.randint(1, 4))],
+            )
+        )
     return spec
 
 
-@pytest.mark.parametrize("group,d,dtype", [(3, 64, torch.float32), (4, 128, torch.float16),
-                                           (1, 64, torch.float16)],
-                         ids=["gqa3-d64-fp32", "gqa4-d128-fp16", "mha-d64-fp16"])
+@pytest.mark.parametrize(
+    "group,d,dtype",
+    [(3, 64, torch.float32), (4, 128, torch.float16), (1, 64, torch.float16)],
+    ids=["gqa3-d64-fp32", "gqa4-d128-fp16", "mha-d64-fp16"],
+)
 def test_triton_backend_matches_torch_backend_on_a_mixed_batch(group, d, dtype, device):
     q, kc, vc, k_new, v_new, meta = _mixed_batch(group, d, dtype, device)
     ref, tri = TorchAttention(), TritonAttention()
@@ -126,10 +143,12 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(group, d, dtype, 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_triton_backend_matches_torch_backend_on_random_shuffled_batches(seed, device):
-    group, d, dtype = [(1, 64, torch.float32), (3, 64, torch.float16),
-                       (4, 128, torch.float32)][seed % 3]
-    q, kc, vc, k_new, v_new, meta = _batch(_random_spec(seed), group, d, dtype, device,
-                                           seed=seed, shuffle=True)
+    group, d, dtype = [(1, 64, torch.float32), (3, 64, torch.float16), (4, 128, torch.float32)][
+        seed % 3
+    ]
+    q, kc, vc, k_new, v_new, meta = _batch(
+        _random_spec(seed), group, d, dtype, device, seed=seed, shuffle=True
+    )
     ref, tri = TorchAttention(), TritonAttention()
     tri.alloc_out = lambda x: torch.full_like(x, float("nan"))
     ref.store_kv(k_new, v_new, kc, vc, meta.slot_mapping)
@@ -151,8 +170,12 @@ def test_triton_backend_reads_q_k_v_sliced_from_one_fused_projection(device):
     ref.store_kv(k_new, v_new, kc, vc, meta.slot_mapping)
     tri.store_kv(k_s, v_s, kc_t, vc_t, meta.slot_mapping)
     assert torch.equal(kc_t, kc) and torch.equal(vc_t, vc)
-    torch.testing.assert_close(tri.forward(q_s, kc, vc, meta, 0.125),
-                               ref.forward(q, kc, vc, meta, 0.125), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        tri.forward(q_s, kc, vc, meta, 0.125),
+        ref.forward(q, kc, vc, meta, 0.125),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_prefix_group_with_a_prefill_row_is_rejected(device):
@@ -170,10 +193,17 @@ def test_sequence_in_two_prefix_groups_is_rejected(device):
         TritonAttention().forward(q, kc, vc, meta, 0.125)
 
 
-@pytest.mark.parametrize("prefix_len,group_size,share", [
-    (64, 256, False),  # published: slower than plain decode at a 64-token prefix
-    (255, 64, False), (256, 7, False), (256, 8, True), (32768, 256, True), (8192, 1, False),
-])
+@pytest.mark.parametrize(
+    "prefix_len,group_size,share",
+    [
+        (64, 256, False),  # published: slower than plain decode at a 64-token prefix
+        (255, 64, False),
+        (256, 7, False),
+        (256, 8, True),
+        (32768, 256, True),
+        (8192, 1, False),
+    ],
+)
 def test_should_share_prefix_gate(prefix_len, group_size, share):
     assert should_share_prefix(prefix_len, group_size) is share
 
@@ -193,8 +223,7 @@ def test_without_triton_kernels_import_and_the_backend_fails_clearly():
         "except ImportError as e:\n"
         "    print('ERR', e)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "ERR" in res.stdout and "torch' backend" in res.stdout
 

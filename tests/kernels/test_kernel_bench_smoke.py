@@ -19,8 +19,13 @@ def test_bench_attention_smoke_checks_times_and_writes_csv(tmp_path):
     script = ROOT / "benchmarks" / "kernels" / "bench_attention.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--shapes", "smollm2", "--out-dir",
-         str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+        [sys.executable, str(script), "--smoke", "--shapes", "smollm2", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "correctness: shared, paged and sdpa match the reference" in res.stdout
     assert res.stdout.strip().splitlines()[-1].startswith("smollm2")  # the table is last

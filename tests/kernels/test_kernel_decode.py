@@ -38,8 +38,17 @@ def test_paged_decode_matches_reference(group, d, dtype, splits, device):
     scale = d**-0.5
     out = poisoned(*q.shape, dtype=dtype, device=device)
     # block_n=16 makes three splits real even for these short contexts
-    got, got_lse = paged_decode_triton(q, kc, vc, tables, LENGTHS, scale, num_splits=splits,
-                                       block_n=16 if splits else None, out=out)
+    got, got_lse = paged_decode_triton(
+        q,
+        kc,
+        vc,
+        tables,
+        LENGTHS,
+        scale,
+        num_splits=splits,
+        block_n=16 if splits else None,
+        out=out,
+    )
     want, want_lse = paged_decode_ref(q, kc, vc, tables, LENGTHS, scale)
     torch.testing.assert_close(got, want, **tol(dtype))
     torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)
@@ -65,8 +74,20 @@ def test_every_split_writes_its_partial_even_when_empty(device):
     assert plan.num_splits == 3 and plan.split_len == 16
     parts = poisoned(3, 2, 8, 64, dtype=torch.float32, device=device)
     lse = poisoned(3, 2, 8, dtype=torch.float32, device=device)
-    ak.launch(q, kc, vc, tables, plan.tiles, parts, lse, 0.125, split_len=plan.split_len,
-              causal=False, block_m=plan.block_m, block_n=plan.block_n)
+    ak.launch(
+        q,
+        kc,
+        vc,
+        tables,
+        plan.tiles,
+        parts,
+        lse,
+        0.125,
+        split_len=plan.split_len,
+        causal=False,
+        block_m=plan.block_m,
+        block_n=plan.block_n,
+    )
     assert not parts.isnan().any() and not lse.isnan().any()
     assert torch.all(lse[1:, 0] == float("-inf")) and torch.all(parts[1:, 0] == 0)
     assert torch.isfinite(lse[:, 1]).all()
@@ -81,8 +102,16 @@ def test_paged_decode_longer_contexts_loop_over_many_kv_steps(dtype, splits, dev
     kc, vc = random_cache(24, HKV, 64, dtype, device, gen)
     tables = random_tables(lens, 24, gen, device)
     q = randn(3, HKV * 4, 64, dtype=dtype, device=device, gen=gen)
-    got, got_lse = paged_decode_triton(q, kc, vc, tables, lens, 0.125, num_splits=splits,
-                                       out=poisoned(*q.shape, dtype=dtype, device=device))
+    got, got_lse = paged_decode_triton(
+        q,
+        kc,
+        vc,
+        tables,
+        lens,
+        0.125,
+        num_splits=splits,
+        out=poisoned(*q.shape, dtype=dtype, device=device),
+    )
     want, want_lse = paged_decode_ref(q, kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(got, want, **tol(dtype))
     torch.testing.assert_close(got_lse, want_lse, atol=1e-4, rtol=1e-4)

@@ -60,8 +60,13 @@ def test_triton_backend_generates_the_torch_backend_tokens_with_a_shared_prefix(
     tiny_model_dir,
 ):
     def engine(backend: str) -> Engine:
-        return Engine.from_pretrained(tiny_model_dir, num_blocks=48, progress=False,
-                                      prefix_cache=False, attention_backend=backend)
+        return Engine.from_pretrained(
+            tiny_model_dir,
+            num_blocks=48,
+            progress=False,
+            prefix_cache=False,
+            attention_backend=backend,
+        )
 
     g = torch.Generator().manual_seed(5)
     torch_engine = engine("torch")

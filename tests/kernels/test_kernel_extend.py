@@ -50,8 +50,9 @@ def test_extend_with_small_tiles_crosses_tiles_and_kv_steps(group, device):
     """16-row tiles and 16-key steps: many tiles per sequence and several loop steps."""
     q, kc, vc, tables, starts, lens = _case(group, 64, torch.float32, device, seed=3)
     out = poisoned(*q.shape, dtype=q.dtype, device=device)
-    got = extend_attention_triton(q, kc, vc, tables, starts, lens, 0.125, out=out,
-                                  block_m=16, block_n=16)
+    got = extend_attention_triton(
+        q, kc, vc, tables, starts, lens, 0.125, out=out, block_m=16, block_n=16
+    )
     want = extend_attention_ref(q, kc, vc, tables, starts, lens, 0.125)
     torch.testing.assert_close(got, want, **tol(torch.float32))
 

@@ -22,7 +22,19 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 def test_kernels_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
-        [sys.executable, "-m", "parrot_backend.kernels.aot_check", "--quick", "--arch", "90",
-         "--no-spills"], capture_output=True, text=True, timeout=240, env=env)
+        [
+            sys.executable,
+            "-m",
+            "parrot_backend.kernels.aot_check",
+            "--quick",
+            "--arch",
+            "90",
+            "--no-spills",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "0 failed, 0 bf16/fp16 variants spill" in res.stdout

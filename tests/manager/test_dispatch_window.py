@@ -63,8 +63,7 @@ def reference_window(pending: list[ReadyCall], slots: int, old: float) -> set[st
                 if (r.objective == "latency") != want_latency or r.call_id in chosen:
                     continue
                 run_share = max(1, share // len(runs_of[r.run.tenant]))
-                if fair and (by_tenant[r.run.tenant] >= share
-                             or taken[r.run.run_id] >= run_share):
+                if fair and (by_tenant[r.run.tenant] >= share or taken[r.run.run_id] >= run_share):
                     continue
                 take(r)
     return set(chosen)
@@ -100,8 +99,11 @@ def test_window_picks_what_the_rule_says() -> None:
         assert q.latency == sum(r.objective == "latency" for r in order)
         assert q.runs == Counter(r.run.run_id for r in order)
         assert q.tenants == Counter(
-            {t: len({r.run.run_id for r in order if r.run.tenant == t})
-             for t in {r.run.tenant for r in order}})
+            {
+                t: len({r.run.run_id for r in order if r.run.tenant == t})
+                for t in {r.run.tenant for r in order}
+            }
+        )
         assert q.inflight == Counter(r.run.tenant for r in order)
         slots = rng.randint(0, 40)
         got = {r.call_id for r in dispatch_window(q, slots, now[0] - 10.0)}
@@ -245,8 +247,7 @@ async def test_a_group_larger_than_max_batch_still_runs() -> None:
 def test_a_tenant_with_many_runs_does_not_take_every_slot() -> None:
     now = [100.0]
     q = ReadyQueue()
-    many = [Run(f"a{i}", Program(), "alice", "t:", True, {}, EventLog(f"a{i}"))
-            for i in range(8)]
+    many = [Run(f"a{i}", Program(), "alice", "t:", True, {}, EventLog(f"a{i}")) for i in range(8)]
     bob = Run("b", Program(), "bob", "t:", True, {}, EventLog("b"))
     for i, run in enumerate(many):  # alice queued first: 8 runs of 2 calls
         for k in range(2):

@@ -51,8 +51,7 @@ async def run_alone(engine: Engine, spec: RunSpec) -> dict[str, str]:
             more = any(isinstance(s, OutputRef) for s in segments)
             if more and config.stop and deltas[-1].finish_reason == "stop":
                 ctx = f"ref:{next(_ref_ids)}"
-                await engine.fill(ctx, None,
-                                  before + engine.tokenize(values[out.name], data=True))
+                await engine.fill(ctx, None, before + engine.tokenize(values[out.name], data=True))
                 contexts.append(ctx)
             following: list[int] = []
             while segments and not isinstance(segments[0], OutputRef):

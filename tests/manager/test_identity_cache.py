@@ -19,7 +19,8 @@ from parrot_backend.program.template import parse
 def test_a_value_is_computed_once_per_object_by_identity() -> None:
     calls: list[tuple[int, ...]] = []
     cache: IdentityCache[tuple[int, ...], int] = IdentityCache(
-        lambda t: calls.append(t) or sum(t), size=2)
+        lambda t: calls.append(t) or sum(t), size=2
+    )
     a, b = (1, 2), tuple([1, 2])  # equal, not identical
     assert (cache(a), cache(a), cache(b)) == (3, 3, 3)
     assert calls == [a, b]
@@ -33,8 +34,10 @@ def test_a_full_cache_starts_over() -> None:
 
 
 def test_cached_sampling_equals_the_plain_conversion() -> None:
-    for config in (GenerationConfig(), GenerationConfig(max_tokens=3, temperature=0.5,
-                                                        stop=["x"], seed=7)):
+    for config in (
+        GenerationConfig(),
+        GenerationConfig(max_tokens=3, temperature=0.5, stop=["x"], seed=7),
+    ):
         assert sampling_of(config) == config.to_sampling()
         assert sampling_of(config) is sampling_of(config)
 

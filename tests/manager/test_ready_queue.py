@@ -24,13 +24,16 @@ def test_queued_calls_are_counted_per_run_tenant_and_objective() -> None:
     q.add(_call(a, "y"))
     q.add(_call(b, "z"))
     assert len(q) == 3 and list(q.calls) == ["a/x", "a/y", "b/z"]  # enqueue order
-    assert (q.runs, q.tenants, q.inflight, q.latency) == ({"a": 2, "b": 1}, {"alice": 2},
-                                                          {"alice": 3}, 1)
+    assert (q.runs, q.tenants, q.inflight, q.latency) == (
+        {"a": 2, "b": 1},
+        {"alice": 2},
+        {"alice": 3},
+        1,
+    )
     assert set(a.queued) == {"x", "y"}
     q.remove(a, "x")
     q.remove(a, "y")
-    assert (q.runs, q.tenants, q.inflight, q.latency) == ({"b": 1}, {"alice": 1},
-                                                          {"alice": 1}, 0)
+    assert (q.runs, q.tenants, q.inflight, q.latency) == ({"b": 1}, {"alice": 1}, {"alice": 1}, 0)
     assert a.queued == {}
 
 

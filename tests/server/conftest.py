@@ -43,8 +43,9 @@ def app(engine, settings):
 @pytest.fixture
 async def client(app) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                 headers=AUTH, timeout=30) as c:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://test", headers=AUTH, timeout=30
+    ) as c:
         yield c
 
 
@@ -61,8 +62,9 @@ class LiveServer:
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

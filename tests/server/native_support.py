@@ -30,10 +30,13 @@ def echo(prompt: str) -> str:
     return f"<{words[-1] if words else ''}>"
 
 
-def run_body(*calls: dict, inputs: dict | None = None, outputs: dict | None = None,
-             **kw) -> dict:
-    return {"program": {"calls": list(calls), **kw.pop("program_extra", {})},
-            "inputs": inputs or {}, "outputs": outputs or {}, **kw}
+def run_body(*calls: dict, inputs: dict | None = None, outputs: dict | None = None, **kw) -> dict:
+    return {
+        "program": {"calls": list(calls), **kw.pop("program_extra", {})},
+        "inputs": inputs or {},
+        "outputs": outputs or {},
+        **kw,
+    }
 
 
 _TEMPLATE: list[Path] = []
@@ -56,22 +59,29 @@ def migrated_sqlite(tmp_path: Path) -> str:
 
 
 @contextlib.asynccontextmanager
-async def native_app(tmp_path: Path, *, engine: ScriptedEngine | None = None,
-                     url: str | None = None, settings: ServerSettings | None = None,
-                     **runtime_kw) -> AsyncIterator[tuple[httpx.AsyncClient, NativeRuntime]]:
+async def native_app(
+    tmp_path: Path,
+    *,
+    engine: ScriptedEngine | None = None,
+    url: str | None = None,
+    settings: ServerSettings | None = None,
+    **runtime_kw,
+) -> AsyncIterator[tuple[httpx.AsyncClient, NativeRuntime]]:
     """The app with the native API on a scripted engine, started (the ASGI transport runs
     no lifespan, so the runtime is started here); yields an authenticated client (alice)."""
     engine = engine or ScriptedEngine(reply=echo)
     store = Store(url or migrated_sqlite(tmp_path))
     rt = NativeRuntime(store, {"e0": engine}, worker="test-worker", **runtime_kw)
-    settings = settings or ServerSettings(api_keys=dict(KEYS), key_lookup=rt.key_lookup,
-                                          sse_ping_s=5)
+    settings = settings or ServerSettings(
+        api_keys=dict(KEYS), key_lookup=rt.key_lookup, sse_ping_s=5
+    )
     app = create_app(engine, settings=settings, native=rt)
     await rt.start()
     try:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                     headers=ALICE, timeout=30) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://test", headers=ALICE, timeout=30
+        ) as client:
             yield client, rt
     finally:
         await rt.stop()
@@ -89,6 +99,11 @@ def sse_events(raw: str) -> list[dict]:
             key, _, value = line.partition(":")
             fields[key] = value[1:] if value.startswith(" ") else value
         if "data" in fields:
-            out.append({"id": fields.get("id"), "event": fields.get("event"),
-                        "data": json.loads(fields["data"])})
+            out.append(
+                {
+                    "id": fields.get("id"),
+                    "event": fields.get("event"),
+                    "data": json.loads(fields["data"]),
+                }
+            )
     return out

@@ -21,11 +21,29 @@ def _free_port() -> int:
 class Serve:
     """`python -m parrot_backend.cli serve` on a port, with a data dir or a database URL."""
 
-    def __init__(self, model_dir, data_dir, database_url: str | None,
-                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
-        self.cmd = [sys.executable, "-m", "parrot_backend.cli", "serve", "--model",
-                    str(model_dir), "--num-blocks", "256", "--data-dir", str(data_dir),
-                    "--worker-id", "recovery-test", *(args or [])]
+    def __init__(
+        self,
+        model_dir,
+        data_dir,
+        database_url: str | None,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+    ) -> None:
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "parrot_backend.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--num-blocks",
+            "256",
+            "--data-dir",
+            str(data_dir),
+            "--worker-id",
+            "recovery-test",
+            *(args or []),
+        ]
         if database_url:
             self.cmd += ["--database-url", database_url]
         self.proc: subprocess.Popen | None = None
@@ -36,8 +54,9 @@ class Serve:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         with self.log.open("a") as log:
-            self.proc = subprocess.Popen([*self.cmd, "--port", str(port)], stdout=log,
-                                         stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(
+                [*self.cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -15,7 +15,7 @@ def parse_sse(raw: str) -> list:
         if not lines:
             continue  # a ping comment
         assert len(lines) == 1 and lines[0].startswith("data: "), f"bad event {block!r}"
-        data = lines[0][len("data: "):]
+        data = lines[0][len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     assert events and events[-1] == "[DONE]", "stream must end with data: [DONE]"
     assert events.count("[DONE]") == 1

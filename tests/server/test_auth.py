@@ -33,9 +33,12 @@ async def test_every_route_but_open_ones_requires_a_key(app):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as anon:
         for method, path in routes:
-            for headers in ({}, {"Authorization": "Bearer wrong"},
-                            {"Authorization": f"Basic {API_KEY}"},
-                            {"Authorization": "Bearer "}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": f"Basic {API_KEY}"},
+                {"Authorization": "Bearer "},
+            ):
                 r = await anon.request(method, path, headers=headers, json={})
                 assert r.status_code == 401, (method, path, headers, r.text)
                 assert r.json()["error"]["type"] == "authentication_error"
@@ -69,8 +72,11 @@ async def test_pluggable_key_lookup(is_async):
     app = create_app(engine, settings=ServerSettings(key_lookup=alookup if is_async else lookup))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-        ok = await c.post("/v1/completions", headers={"Authorization": "Bearer store-key"},
-                          json={"model": "fake-model", "prompt": "p", "max_tokens": 1})
+        ok = await c.post(
+            "/v1/completions",
+            headers={"Authorization": "Bearer store-key"},
+            json={"model": "fake-model", "prompt": "p", "max_tokens": 1},
+        )
         bad = await c.get("/v1/models", headers={"Authorization": "Bearer other"})
     assert ok.status_code == 200 and bad.status_code == 401
     assert seen == ["store-key", "other"]
@@ -103,8 +109,7 @@ async def test_auth_forced_on_without_keys_rejects_everyone():
     app = create_app(FakeEngine(), settings=ServerSettings(auth=True))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-        assert (await c.get("/v1/models", headers={"Authorization": "Bearer x"})
-                ).status_code == 401
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer x"})).status_code == 401
 
 
 def test_openapi_declares_bearer_auth(app):

@@ -17,8 +17,7 @@ from .conftest import AUTH, KEYS
 C = "/v1/completions"
 CH = "/v1/chat/completions"
 OK_C = {"model": "fake-model", "prompt": "hi", "max_tokens": 4}
-OK_CH = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
-         "max_tokens": 4}
+OK_CH = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 LONG = "x" * 600  # the fake engine's context is 512 tokens (one per byte)
 
 
@@ -36,16 +35,15 @@ def raw(text: str) -> bytes:
 
 # (id, path, body (dict -> JSON, bytes -> raw), expected status, words the message must hold)
 CASES = [
-    ("malformed-json", C, raw("{\"model\": "), 400, "malformed json"),
+    ("malformed-json", C, raw('{"model": '), 400, "malformed json"),
     ("malformed-json-chat", CH, raw("{'single': 'quotes'}"), 400, "malformed json"),
     ("trailing-garbage", C, raw(json.dumps(OK_C) + "}"), 400, "malformed json"),
     ("empty-body", C, b"", 400, "body"),
     ("json-array-body", C, raw("[1, 2]"), 400, "object"),
-    ("json-string-body", CH, raw("\"hello\""), 400, "object"),
+    ("json-string-body", CH, raw('"hello"'), 400, "object"),
     ("json-null-body", C, raw("null"), 400, "body"),
     ("nan-temperature", C, raw(json.dumps(c(temperature=float("nan")))), 400, "temperature"),
-    ("nan-temperature-chat", CH, raw(json.dumps(ch(temperature=float("nan")))), 400,
-     "temperature"),
+    ("nan-temperature-chat", CH, raw(json.dumps(ch(temperature=float("nan")))), 400, "temperature"),
     ("inf-temperature", C, raw(json.dumps(c(temperature=float("inf")))), 400, "temperature"),
     ("neg-inf-top-p", CH, raw(json.dumps(ch(top_p=float("-inf")))), 400, "top_p"),
     ("nan-top-p", C, raw(json.dumps(c(top_p=float("nan")))), 400, "top_p"),
@@ -63,13 +61,22 @@ CASES = [
     ("max-tokens-float", C, c(max_tokens=3.5), 400, "max_tokens"),
     ("max-tokens-string", C, c(max_tokens="10"), 400, "max_tokens"),
     ("max-tokens-beyond-context", C, c(max_tokens=10_000), 400, "maximum context length"),
-    ("max-completion-tokens-beyond-context", CH, ch(max_completion_tokens=10_000), 400,
-     "maximum context length"),
-    ("max-completion-tokens-zero", CH, ch(max_completion_tokens=0), 400,
-     "max_completion_tokens"),
+    (
+        "max-completion-tokens-beyond-context",
+        CH,
+        ch(max_completion_tokens=10_000),
+        400,
+        "maximum context length",
+    ),
+    ("max-completion-tokens-zero", CH, ch(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("prompt-beyond-context", C, c(prompt=LONG), 400, "maximum context length"),
-    ("chat-beyond-context", CH, ch(messages=[{"role": "user", "content": LONG}]), 400,
-     "maximum context length"),
+    (
+        "chat-beyond-context",
+        CH,
+        ch(messages=[{"role": "user", "content": LONG}]),
+        400,
+        "maximum context length",
+    ),
     ("prompt-ids-beyond-context", C, c(prompt=[1] * 600), 400, "maximum context length"),
     ("huge-max-tokens-int", C, c(max_tokens=10**30), 400, "max_tokens"),
     ("seed-negative", C, c(seed=-1), 400, "seed"),
@@ -103,16 +110,37 @@ CASES = [
     ("messages-not-list", CH, ch(messages="hi"), 400, "messages"),
     ("message-bad-role", CH, ch(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
     ("message-missing-role", CH, ch(messages=[{"content": "x"}]), 400, "role"),
-    ("message-content-number", CH, ch(messages=[{"role": "user", "content": 5}]), 400,
-     "content"),
-    ("message-image-part", CH, ch(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "content"),
+    ("message-content-number", CH, ch(messages=[{"role": "user", "content": 5}]), 400, "content"),
+    (
+        "message-image-part",
+        CH,
+        ch(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                }
+            ]
+        ),
+        400,
+        "content",
+    ),
     ("message-not-object", CH, ch(messages=["hello"]), 400, "messages"),
     ("stream-not-bool", C, c(stream="yes"), 400, "stream"),
-    ("stream-options-without-stream", CH, ch(stream_options={"include_usage": True}), 400,
-     "stream_options"),
-    ("stream-options-wrong-type", CH, ch(stream=True, stream_options={"include_usage": "y"}),
-     400, "include_usage"),
+    (
+        "stream-options-without-stream",
+        CH,
+        ch(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    (
+        "stream-options-wrong-type",
+        CH,
+        ch(stream=True, stream_options={"include_usage": "y"}),
+        400,
+        "include_usage",
+    ),
     ("presence-penalty", C, c(presence_penalty=0.5), 400, "not supported"),
     ("frequency-penalty-out-of-range", CH, ch(frequency_penalty=5), 400, "frequency_penalty"),
     ("logit-bias", C, c(logit_bias={"50": 10}), 400, "logit_bias"),
@@ -120,36 +148,92 @@ CASES = [
     ("logprobs-chat", CH, ch(logprobs=True), 400, "logprobs"),
     ("best-of", C, c(best_of=3), 400, "best_of"),
     ("suffix", C, c(suffix="end"), 400, "suffix"),
-    ("tool-unsupported-schema", CH, ch(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]), 400,
-     "tools[0].function.parameters: json_schema uses keywords the grammar engine does not "
-     "support: uniqueItems"),
-    ("tool-bad-name", CH, ch(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
-     "name"),
-    ("tool-duplicate-name", CH, ch(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
-     400, "two tools are named 'f'"),
+    (
+        "tool-unsupported-schema",
+        CH,
+        ch(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}},
+                }
+            ]
+        ),
+        400,
+        "tools[0].function.parameters: json_schema uses keywords the grammar engine does not "
+        "support: uniqueItems",
+    ),
+    (
+        "tool-bad-name",
+        CH,
+        ch(tools=[{"type": "function", "function": {"name": "a b"}}]),
+        400,
+        "name",
+    ),
+    (
+        "tool-duplicate-name",
+        CH,
+        ch(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
+        400,
+        "two tools are named 'f'",
+    ),
     ("tool-choice", CH, ch(tool_choice="required"), 400, "tool_choice"),
-    ("tool-choice-unknown-function", CH, ch(
-        tools=[{"type": "function", "function": {"name": "f"}}],
-        tool_choice={"type": "function", "function": {"name": "g"}}), 400, "not among the tools"),
+    (
+        "tool-choice-unknown-function",
+        CH,
+        ch(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "not among the tools",
+    ),
     ("tool-choice-bad-string", CH, ch(tool_choice="always"), 400, "tool_choice"),
-    ("response-format-json-schema-without-schema", CH, ch(response_format={
-        "type": "json_schema", "json_schema": {"name": "x"}}), 400, "needs json_schema.schema"),
-    ("response-format-unsupported-keyword", CH, ch(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}), 400,
-     "does not support: not"),
-    ("response-format-with-stop", CH, ch(response_format={"type": "json_object"}, stop=["}"]),
-     400, "stop strings cannot be combined"),
-    ("response-format-unknown", CH, ch(response_format={"type": "yaml"}), 400,
-     "response_format"),
+    (
+        "response-format-json-schema-without-schema",
+        CH,
+        ch(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "needs json_schema.schema",
+    ),
+    (
+        "response-format-unsupported-keyword",
+        CH,
+        ch(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"not": {}}},
+            }
+        ),
+        400,
+        "does not support: not",
+    ),
+    (
+        "response-format-with-stop",
+        CH,
+        ch(response_format={"type": "json_object"}, stop=["}"]),
+        400,
+        "stop strings cannot be combined",
+    ),
+    ("response-format-unknown", CH, ch(response_format={"type": "yaml"}), 400, "response_format"),
     ("request-chat-template-disabled", CH, ch(chat_template="{{ 1 }}"), 400, "disabled"),
     ("user-too-long", C, c(user="u" * 10_000), 400, "user"),
     ("deeply-nested-json", C, raw("[" * 100_000 + "]" * 100_000), 400, ""),
     ("invalid-utf8-body", C, b'{"model": "fake-model", "prompt": "\xff\xfe"}', 400, ""),
-    ("lone-surrogate-prompt", C, raw('{"model": "fake-model", "prompt": "a\\ud800b"}'), 400,
-     "unicode"),
-    ("lone-surrogate-chat", CH, raw('{"model": "fake-model", "messages": [{"role": "user", '
-                                    '"content": "\\udfff"}]}'), 400, "unicode"),
+    (
+        "lone-surrogate-prompt",
+        C,
+        raw('{"model": "fake-model", "prompt": "a\\ud800b"}'),
+        400,
+        "unicode",
+    ),
+    (
+        "lone-surrogate-chat",
+        CH,
+        raw('{"model": "fake-model", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+        400,
+        "unicode",
+    ),
 ]
 
 
@@ -192,8 +276,7 @@ async def test_wrong_content_type_and_method(client):
 
 async def test_body_too_large_by_content_length(engine):
     app = create_app(engine, settings=ServerSettings(max_body_bytes=1000))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as cl:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as cl:
         r = await cl.post(C, json=c(prompt="x" * 2000))
         assert r.status_code == 413
         assert "too large" in r.json()["error"]["message"]
@@ -209,8 +292,7 @@ async def test_body_too_large_when_chunked(engine):
             yield b"x" * 100
         yield b'"}'
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as cl:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as cl:
         r = await cl.post(C, content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413
     assert engine.fills == []
@@ -219,8 +301,7 @@ async def test_body_too_large_when_chunked(engine):
 async def test_backpressure_429_with_retry_after():
     engine = FakeEngine(step_delay=0.01)
     app = create_app(engine, settings=ServerSettings(max_inflight=2, retry_after_s=3))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as cl:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as cl:
         slow = [asyncio.create_task(cl.post(C, json=c(max_tokens=30))) for _ in range(2)]
         while app.state.parrot.limiter.inflight < 2:
             await asyncio.sleep(0.005)

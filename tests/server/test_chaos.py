@@ -43,8 +43,11 @@ SHARED = "You are a careful assistant who answers in one short line. Keep to the
 def _cfg(rng: random.Random, sampled: bool = False) -> dict:
     cfg = {"max_tokens": rng.randint(2, 14), "top_p": rng.choice(TOP_P)}
     if sampled:
-        cfg.update(temperature=rng.choice([0.7, 1.0, 1e30]), seed=rng.randrange(100),
-                   top_k=rng.choice([0, 5, 49152]))
+        cfg.update(
+            temperature=rng.choice([0.7, 1.0, 1e30]),
+            seed=rng.randrange(100),
+            top_k=rng.choice([0, 5, 49152]),
+        )
     else:
         cfg["temperature"] = rng.choice(GREEDY)
     if rng.random() < 0.3:
@@ -62,29 +65,60 @@ def program(rng: random.Random) -> tuple[dict, dict, bool]:
     rng = random.Random(shape * 10 + variant + (1000 * rng.randrange(10**6) if sampled else 0))
     if shape == 0:  # a chain
         calls = [
-            {"name": "s", "template": "Write about {{input:w}}.\nText: {{output:s}}",
-             "outputs": {"s": _cfg(rng, sampled)}},
-            {"name": "t", "template": "Title for: {{input:s}}\nTitle: {{output:t}}",
-             "outputs": {"t": _cfg(rng)}},
+            {
+                "name": "s",
+                "template": "Write about {{input:w}}.\nText: {{output:s}}",
+                "outputs": {"s": _cfg(rng, sampled)},
+            },
+            {
+                "name": "t",
+                "template": "Title for: {{input:s}}\nTitle: {{output:t}}",
+                "outputs": {"t": _cfg(rng)},
+            },
         ]
     elif shape == 1:  # map-reduce with a shared static prefix
         n = rng.randint(2, 4)
-        calls = [{"name": f"m{i}", "template": SHARED + f"Part {i} on {{{{input:w}}}}: "
-                  f"{{{{output:m{i}}}}}", "outputs": {f"m{i}": _cfg(rng)}} for i in range(n)]
+        calls = [
+            {
+                "name": f"m{i}",
+                "template": SHARED + f"Part {i} on {{{{input:w}}}}: {{{{output:m{i}}}}}",
+                "outputs": {f"m{i}": _cfg(rng)},
+            }
+            for i in range(n)
+        ]
         joined = " ".join(f"{{{{input:m{i}}}}}" for i in range(n))
-        calls.append({"name": "r", "template": SHARED + f"Combine: {joined}\n{{{{output:r}}}}",
-                      "outputs": {"r": _cfg(rng, sampled)}})
+        calls.append(
+            {
+                "name": "r",
+                "template": SHARED + f"Combine: {joined}\n{{{{output:r}}}}",
+                "outputs": {"r": _cfg(rng, sampled)},
+            }
+        )
     elif shape == 2:  # several outputs in one call
-        calls = [{"name": "ab", "template": "On {{input:w}}. A: {{output:a}} B: {{output:b}}",
-                  "outputs": {"a": _cfg(rng), "b": _cfg(rng, sampled)}}]
+        calls = [
+            {
+                "name": "ab",
+                "template": "On {{input:w}}. A: {{output:a}} B: {{output:b}}",
+                "outputs": {"a": _cfg(rng), "b": _cfg(rng, sampled)},
+            }
+        ]
     else:  # a generated value read as the prefix of two calls
         calls = [
-            {"name": "d", "template": SHARED + "Design for {{input:w}}: {{output:d}}",
-             "outputs": {"d": _cfg(rng)}},
-            {"name": "e1", "template": "{{input:d}}\nEngineer 1: {{output:e1}}",
-             "outputs": {"e1": _cfg(rng, sampled)}},
-            {"name": "e2", "template": "{{input:d}}\nEngineer 2: {{output:e2}}",
-             "outputs": {"e2": _cfg(rng)}},
+            {
+                "name": "d",
+                "template": SHARED + "Design for {{input:w}}: {{output:d}}",
+                "outputs": {"d": _cfg(rng)},
+            },
+            {
+                "name": "e1",
+                "template": "{{input:d}}\nEngineer 1: {{output:e1}}",
+                "outputs": {"e1": _cfg(rng, sampled)},
+            },
+            {
+                "name": "e2",
+                "template": "{{input:d}}\nEngineer 2: {{output:e2}}",
+                "outputs": {"e2": _cfg(rng)},
+            },
         ]
     return {"calls": calls}, {"w": word}, sampled
 
@@ -94,23 +128,61 @@ def bad_requests(rng: random.Random) -> list[tuple[str, str, object]]:
     ok = {"calls": [{"template": "Q {{output:o}}"}]}
     return [
         ("POST", "/v1/runs", b'{"program": {"calls": [{"template": "\\ud800 {{output:o}}"}]}}'),
-        ("POST", "/v1/runs", b'{"program": {"calls": [{"template": "x {{output:o}}"}]},'
-                             b' "open": true, "inputs": {"v": "a\\u0000b"}}'),
-        ("POST", "/v1/runs", {"program": {"calls": [{"template": "Q {{output:o}}", "outputs": {
-            "o": {"top_k": 10**12}}}]}}),
-        ("POST", "/v1/runs", {"program": {"calls": [{"template": "Q {{output:o}}", "outputs": {
-            "o": {"max_tokens": 10**30}}}]}}),
-        ("POST", "/v1/runs", {"program": {"calls": [{"template": "Q {{output:o}}", "outputs": {
-            "o": {"stop_token_ids": [10**12]}}}]}}),
-        ("POST", "/v1/runs", {"program": {"calls": [{"name": "n" * 300,
-                                                     "template": "Q {{output:o}}"}]}}),
+        (
+            "POST",
+            "/v1/runs",
+            b'{"program": {"calls": [{"template": "x {{output:o}}"}]},'
+            b' "open": true, "inputs": {"v": "a\\u0000b"}}',
+        ),
+        (
+            "POST",
+            "/v1/runs",
+            {
+                "program": {
+                    "calls": [{"template": "Q {{output:o}}", "outputs": {"o": {"top_k": 10**12}}}]
+                }
+            },
+        ),
+        (
+            "POST",
+            "/v1/runs",
+            {
+                "program": {
+                    "calls": [
+                        {"template": "Q {{output:o}}", "outputs": {"o": {"max_tokens": 10**30}}}
+                    ]
+                }
+            },
+        ),
+        (
+            "POST",
+            "/v1/runs",
+            {
+                "program": {
+                    "calls": [
+                        {
+                            "template": "Q {{output:o}}",
+                            "outputs": {"o": {"stop_token_ids": [10**12]}},
+                        }
+                    ]
+                }
+            },
+        ),
+        (
+            "POST",
+            "/v1/runs",
+            {"program": {"calls": [{"name": "n" * 300, "template": "Q {{output:o}}"}]}},
+        ),
         ("POST", "/v1/runs", b'{"program": '),
         ("POST", "/v1/runs", {"program": ok, "bogus": 1}),
         ("GET", "/v1/runs/%00", None),
         ("GET", f"/v1/runs/{'0' * 32}", None),
         ("POST", "/v1/chat/completions", {"model": "m", "messages": "not a list"}),
-        ("POST", "/v1/completions", json.dumps({"model": MODEL[0], "prompt": "\ud800",
-                                                "max_tokens": 2}).encode()),
+        (
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": MODEL[0], "prompt": "\ud800", "max_tokens": 2}).encode(),
+        ),
         ("POST", "/v1/completions", {"model": MODEL[0], "prompt": "hi", "temperature": -1}),
         ("POST", "/v1/runs", {"program": ok, "inputs": {"a b": "x"}, "open": True}),
     ]
@@ -136,8 +208,15 @@ def _auth(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
 
-async def _request(c: httpx.AsyncClient, tally: Tally, tenant: str, method: str, path: str,
-                   body: object = None, what: str = "") -> httpx.Response:
+async def _request(
+    c: httpx.AsyncClient,
+    tally: Tally,
+    tenant: str,
+    method: str,
+    path: str,
+    body: object = None,
+    what: str = "",
+) -> httpx.Response:
     kw: dict = {"headers": _auth(tenant)}
     if isinstance(body, bytes):
         kw["content"] = body
@@ -149,8 +228,16 @@ async def _request(c: httpx.AsyncClient, tally: Tally, tenant: str, method: str,
     return r
 
 
-async def _stream(c: httpx.AsyncClient, tally: Tally, tenant: str, method: str, path: str,
-                  body: object, stop_after: int | None, what: str) -> None:
+async def _stream(
+    c: httpx.AsyncClient,
+    tally: Tally,
+    tenant: str,
+    method: str,
+    path: str,
+    body: object,
+    stop_after: int | None,
+    what: str,
+) -> None:
     """Read a stream, dropping the connection after `stop_after` lines (None: to the end)."""
     async with c.stream(method, path, json=body, headers=_auth(tenant)) as r:
         tally.saw(r, what)
@@ -168,8 +255,9 @@ async def _stream(c: httpx.AsyncClient, tally: Tally, tenant: str, method: str, 
 
 async def native(c, tally, tenant, rng) -> None:
     prog, inputs, sampled = program(rng)
-    r = await _request(c, tally, tenant, "POST", "/v1/runs",
-                       {"program": prog, "inputs": inputs}, "create run")
+    r = await _request(
+        c, tally, tenant, "POST", "/v1/runs", {"program": prog, "inputs": inputs}, "create run"
+    )
     if r.status_code != 201:
         return
     rid = r.json()["run_id"]
@@ -184,15 +272,20 @@ async def native(c, tally, tenant, rng) -> None:
         await _request(c, tally, tenant, "POST", f"/v1/runs/{rid}/cancel", what="cancel")
     else:
         out = list(prog["calls"][-1]["outputs"])[-1]
-        await _request(c, tally, tenant, "GET",
-                       f"/v1/runs/{rid}/variables/{out}?timeout=20", what="long-poll")
+        await _request(
+            c, tally, tenant, "GET", f"/v1/runs/{rid}/variables/{out}?timeout=20", what="long-poll"
+        )
 
 
 async def openai(c, tally, tenant, rng) -> None:
     chat = rng.random() < 0.5
-    body: dict = {"model": MODEL[0], "max_tokens": rng.randint(1, 24),
-                  "temperature": rng.choice([0.0, 1e-300, 5e-324, 1e-38, 0.8, 1.5]),
-                  "top_p": rng.choice(TOP_P), "seed": rng.randrange(1000)}
+    body: dict = {
+        "model": MODEL[0],
+        "max_tokens": rng.randint(1, 24),
+        "temperature": rng.choice([0.0, 1e-300, 5e-324, 1e-38, 0.8, 1.5]),
+        "top_p": rng.choice(TOP_P),
+        "seed": rng.randrange(1000),
+    }
     if chat:
         path = "/v1/chat/completions"
         body["messages"] = [{"role": "user", "content": f"Tell me about {rng.choice(WORDS)}"}]
@@ -209,23 +302,46 @@ async def openai(c, tally, tenant, rng) -> None:
 
 async def open_run(c, tally, tenant, rng) -> None:
     configs = random.Random(rng.randrange(2))
-    start = {"program": {"calls": [{"name": "q", "template": SHARED + "Q: {{input:v}} A: "
-                                    "{{output:a}}", "outputs": {"a": _cfg(configs)}}]},
-             "open": True}
+    start = {
+        "program": {
+            "calls": [
+                {
+                    "name": "q",
+                    "template": SHARED + "Q: {{input:v}} A: {{output:a}}",
+                    "outputs": {"a": _cfg(configs)},
+                }
+            ]
+        },
+        "open": True,
+    }
     r = await _request(c, tally, tenant, "POST", "/v1/runs", start, "open run")
     if r.status_code != 201:
         return
     rid = r.json()["run_id"]
     tally.runs[rid] = (tenant, False)
-    calls = {"calls": [{"name": "f", "template": "Follow up on {{input:a}}: {{output:f}}",
-                        "outputs": {"f": _cfg(configs)}}]}
+    calls = {
+        "calls": [
+            {
+                "name": "f",
+                "template": "Follow up on {{input:a}}: {{output:f}}",
+                "outputs": {"f": _cfg(configs)},
+            }
+        ]
+    }
     await _request(c, tally, tenant, "POST", f"/v1/runs/{rid}/calls", calls, "add calls")
     if rng.random() < 0.2:
         tally.cancelled.add(rid)
         await _request(c, tally, tenant, "POST", f"/v1/runs/{rid}/cancel", what="cancel open")
         return
-    await _request(c, tally, tenant, "PUT", f"/v1/runs/{rid}/variables/v",
-                   {"value": rng.choice(WORDS)}, "set input")
+    await _request(
+        c,
+        tally,
+        tenant,
+        "PUT",
+        f"/v1/runs/{rid}/variables/v",
+        {"value": rng.choice(WORDS)},
+        "set input",
+    )
     await _request(c, tally, tenant, "POST", f"/v1/runs/{rid}/close", what="close")
 
 
@@ -243,8 +359,9 @@ async def bad(c, tally, tenant, rng) -> None:
     method, path, body = rng.choice(bad_requests(rng))
     r = await _request(c, tally, tenant, method, path, body, f"bad {method} {path}")
     if not 400 <= r.status_code < 500:
-        tally.server_errors.append(f"bad input {method} {path} {body!r:.120}: "
-                                   f"{r.status_code} {r.text[:200]}")
+        tally.server_errors.append(
+            f"bad input {method} {path} {body!r:.120}: {r.status_code} {r.text[:200]}"
+        )
 
 
 ACTIONS = [(native, 5), (openai, 3), (open_run, 1), (replay, 1), (bad, 2)]
@@ -282,8 +399,7 @@ async def settle(url: str, tally: Tally) -> dict[str, dict]:
 
 
 def _outputs(detail: dict) -> dict[str, str]:
-    return {n: v["value"] for n, v in detail["variables"].items()
-            if v["producer_call"] is not None}
+    return {n: v["value"] for n, v in detail["variables"].items() if v["producer_call"] is not None}
 
 
 async def quiet_replays(url: str, tally: Tally, details: dict[str, dict]) -> int:
@@ -292,10 +408,12 @@ async def quiet_replays(url: str, tally: Tally, details: dict[str, dict]) -> int
     for rid, d in details.items():
         if d["run"]["status"] == "done" and not tally.runs[rid][1]:
             # inputs of open runs are set later: the values, not the creation inputs
-            inputs = {n: v["value"] for n, v in d["variables"].items()
-                      if v["producer_call"] is None}
+            inputs = {
+                n: v["value"] for n, v in d["variables"].items() if v["producer_call"] is None
+            }
             key = json.dumps([d["program"], inputs], sort_keys=True)
             groups.setdefault(key, []).append(rid)
+
     async def check(c: httpx.AsyncClient, rids: list[str]) -> None:
         tenant = tally.runs[rids[0]][0]
         r = await c.post(f"/v1/runs/{rids[0]}/replay", json={}, headers=_auth(tenant))
@@ -330,15 +448,17 @@ def _metrics(url: str) -> dict[str, float]:
 
 def chaos(serve: Serve) -> None:
     url = serve.start()
-    MODEL[0] = httpx.get(f"{url}/v1/models", headers=_auth("alice"), timeout=10).json()[
-        "data"][0]["id"]
+    MODEL[0] = httpx.get(f"{url}/v1/models", headers=_auth("alice"), timeout=10).json()["data"][0][
+        "id"
+    ]
     tally = Tally()
     deadline = time.monotonic() + SECONDS
 
     async def go() -> None:
         tenants = ["alice", "bob"]
-        await asyncio.gather(*(worker(url, tally, tenants[i % 2], 100 + i, deadline)
-                               for i in range(6)))
+        await asyncio.gather(
+            *(worker(url, tally, tenants[i % 2], 100 + i, deadline) for i in range(6))
+        )
 
     asyncio.run(go())
     assert serve.proc is not None and serve.proc.poll() is None, "serve died"
@@ -357,18 +477,23 @@ def chaos(serve: Serve) -> None:
     deadline = time.monotonic() + 30
     while True:  # streams closed by clients are cleaned up asynchronously
         m = _metrics(url)
-        quiet = (m["parrot_engine_running"] == 0 and m["parrot_engine_queue_depth"] == 0
-                 and m["parrot_requests_running"] == 0
-                 and m["parrot_manager_running_calls"] == 0
-                 and m["parrot_manager_pending_calls"] == 0
-                 and m["parrot_engine_contexts"] == m["parrot_manager_prefixes"])
+        quiet = (
+            m["parrot_engine_running"] == 0
+            and m["parrot_engine_queue_depth"] == 0
+            and m["parrot_requests_running"] == 0
+            and m["parrot_manager_running_calls"] == 0
+            and m["parrot_manager_pending_calls"] == 0
+            and m["parrot_engine_contexts"] == m["parrot_manager_prefixes"]
+        )
         if quiet or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert quiet, m
     done = sum(d["run"]["status"] == "done" for d in details.values())
-    print(f"chaos: {len(tally.statuses)} requests, {len(details)} runs ({done} done, "
-          f"{len(tally.cancelled)} cancelled), {groups} replay groups, actions {tally.actions}")
+    print(
+        f"chaos: {len(tally.statuses)} requests, {len(details)} runs ({done} done, "
+        f"{len(tally.cancelled)} cancelled), {groups} replay groups, actions {tally.actions}"
+    )
     assert done > 10 and groups > 3  # the test did what it says
 
 

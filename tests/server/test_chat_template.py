@@ -16,13 +16,16 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 def test_default_template_is_chatml():
     assert render_chat(None, MSGS) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert render_chat(None, MSGS, add_generation_prompt=False) == \
-        "<|im_start|>user\nhi<|im_end|>\n"
+    assert (
+        render_chat(None, MSGS, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    )
 
 
 def test_hf_helpers_available():
-    src = "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}" \
-          "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"
+    src = (
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"
+    )
     assert render_chat(src, MSGS, special_tokens={"bos": "<s>", "eos": "</s>"}) == "<s>hi</s>"
     with pytest.raises(ChatTemplateError, match="one message only"):
         render_chat(src, MSGS * 2)
@@ -82,13 +85,12 @@ def test_rendered_size_is_bounded():
 
 async def test_malicious_model_template_over_http(tmp_path):
     marker = tmp_path / "pwned"
-    engine = FakeEngine(chat_template=f"{{{{ cycler.__init__.__globals__.os.system('touch "
-                                      f"{marker}') }}}}")
+    engine = FakeEngine(
+        chat_template=f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
+    )
     app = create_app(engine, settings=ServerSettings())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as c:
-        r = await c.post("/v1/chat/completions", json={
-            "model": "fake-model", "messages": MSGS})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post("/v1/chat/completions", json={"model": "fake-model", "messages": MSGS})
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "chat_template_error"
         assert "forbidden" in r.json()["error"]["message"]
@@ -102,15 +104,17 @@ async def test_request_templates_off_unless_allowed(tmp_path):
     evil = f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
     body = {"model": "fake-model", "messages": MSGS, "max_tokens": 2}
     app = create_app(FakeEngine(), settings=ServerSettings(api_keys={"sk-test-alice": "a"}))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                 headers=AUTH) as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", headers=AUTH
+    ) as c:
         r = await c.post("/v1/chat/completions", json={**body, "chat_template": "{{ 1 }}"})
         assert r.status_code == 400 and "disabled" in r.json()["error"]["message"]
     app = create_app(FakeEngine(), settings=ServerSettings(allow_request_chat_template=True))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t") as c:
-        ok = await c.post("/v1/chat/completions", json={
-            **body, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        ok = await c.post(
+            "/v1/chat/completions",
+            json={**body, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        )
         assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 2
         r = await c.post("/v1/chat/completions", json={**body, "chat_template": evil})
         assert r.status_code == 400

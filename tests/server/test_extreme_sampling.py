@@ -34,30 +34,57 @@ async def test_extreme_sampling_on_openai_and_native_routes(tiny_model_dir, tmp_
     await engine.start()
     await runtime.start()
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120
+        ) as c:
             model = engine.model_name
             for i in range(24):
-                sampling = {"temperature": rng.choice(TEMPERATURES if i % 3 == 2
-                                                      else OPENAI_TEMPERATURES),
-                            "top_p": rng.choice(TOP_PS), "seed": i}
+                sampling = {
+                    "temperature": rng.choice(TEMPERATURES if i % 3 == 2 else OPENAI_TEMPERATURES),
+                    "top_p": rng.choice(TOP_PS),
+                    "seed": i,
+                }
                 if i % 3 == 0:
-                    r = await c.post("/v1/chat/completions", json={
-                        "model": model, "max_tokens": 4, "top_k": rng.choice(TOP_KS),
-                        "messages": [{"role": "user", "content": "Hi"}], **sampling})
+                    r = await c.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": model,
+                            "max_tokens": 4,
+                            "top_k": rng.choice(TOP_KS),
+                            "messages": [{"role": "user", "content": "Hi"}],
+                            **sampling,
+                        },
+                    )
                 elif i % 3 == 1:
-                    r = await c.post("/v1/completions", json={
-                        "model": model, "prompt": "A parrot", "max_tokens": 4,
-                        "stream": True, **sampling})
+                    r = await c.post(
+                        "/v1/completions",
+                        json={
+                            "model": model,
+                            "prompt": "A parrot",
+                            "max_tokens": 4,
+                            "stream": True,
+                            **sampling,
+                        },
+                    )
                     assert '"error"' not in r.text, r.text
                 else:
                     config = {"max_tokens": 4, "top_k": rng.choice(TOP_KS), **sampling}
-                    r = await c.post("/v1/runs", json={"program": {"calls": [
-                        {"template": "Say {{input:x}}: {{output:y}}",
-                         "outputs": {"y": config}}]}, "inputs": {"x": "hi"}})
+                    r = await c.post(
+                        "/v1/runs",
+                        json={
+                            "program": {
+                                "calls": [
+                                    {
+                                        "template": "Say {{input:x}}: {{output:y}}",
+                                        "outputs": {"y": config},
+                                    }
+                                ]
+                            },
+                            "inputs": {"x": "hi"},
+                        },
+                    )
                     assert r.status_code == 201, r.text
-                    events = sse_events((await c.get(
-                        f"/v1/runs/{r.json()['run_id']}/events")).text)
+                    events = sse_events((await c.get(f"/v1/runs/{r.json()['run_id']}/events")).text)
                     assert events[-1]["data"]["status"] == "finished", events[-3:]
                 assert r.status_code in (200, 201), (sampling, r.text)
             assert engine.error is None

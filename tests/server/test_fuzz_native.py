@@ -67,17 +67,21 @@ class Seeded:
         self.open = create(run_body(A, open=True))
         # open with its input set: its call runs, so polls and cancels meet a live run
         self.open_set = create(run_body(A, inputs={"x": "go"}, open=True))
-        r = http.post(f"{self.url}/v1/workflows", timeout=HTTP_TIMEOUT_S,
-                      json={"name": "good", "program": {"calls": [A]}})
+        r = http.post(
+            f"{self.url}/v1/workflows",
+            timeout=HTTP_TIMEOUT_S,
+            json={"name": "good", "program": {"calls": [A]}},
+        )
         assert r.status_code == 201, r.text
         # no inputs: generated bodies with no (or empty) inputs start it
-        r = http.post(f"{self.url}/v1/workflows", timeout=HTTP_TIMEOUT_S,
-                      json={"name": "plain", "program": {"calls": [
-                          {"template": "Q {{output:y}}"}]}})
+        r = http.post(
+            f"{self.url}/v1/workflows",
+            timeout=HTTP_TIMEOUT_S,
+            json={"name": "plain", "program": {"calls": [{"template": "Q {{output:y}}"}]}},
+        )
         assert r.status_code == 201, r.text
         # generated ids are kept one time in three: unknown runs must answer 404 too
-        self.run_ids = itertools.cycle([None, self.done, self.open, None, self.open_set,
-                                        self.done])
+        self.run_ids = itertools.cycle([None, self.done, self.open, None, self.open_set, self.done])
         self.finished_ids = itertools.cycle([None, self.done])
         self.var_names = itertools.cycle([None, "x", "y"])
         self.workflow_names = itertools.cycle([None, "good", "plain"])
@@ -90,10 +94,12 @@ ENGINE = ScriptedEngine(reply=echo)
 STORE = Store(migrated_sqlite(TMP))
 RUNTIME = NativeRuntime(STORE, {"e0": ENGINE}, worker="fuzz-worker")
 # sse_ping_s: the event streams fuzzed end by themselves; no ping is needed meanwhile
-APP = create_app(ENGINE, native=RUNTIME, settings=ServerSettings(
-    api_keys=dict(KEYS), key_lookup=RUNTIME.key_lookup, sse_ping_s=15))
-schema = schemathesis.openapi.from_dict(APP.openapi()).include(
-    path_regex=r"^/v1/(runs|workflows)")
+APP = create_app(
+    ENGINE,
+    native=RUNTIME,
+    settings=ServerSettings(api_keys=dict(KEYS), key_lookup=RUNTIME.key_lookup, sse_ping_s=15),
+)
+schema = schemathesis.openapi.from_dict(APP.openapi()).include(path_regex=r"^/v1/(runs|workflows)")
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +158,9 @@ def test_native_no_server_errors(case, seeded: Seeded):
         if case.query is None:
             case.query = {}
         _bounded_poll(case.query)
-    response = case.call_and_validate(base_url=seeded.url, headers=ALICE,
-                                      timeout=HTTP_TIMEOUT_S, checks=[not_a_server_error])
+    response = case.call_and_validate(
+        base_url=seeded.url, headers=ALICE, timeout=HTTP_TIMEOUT_S, checks=[not_a_server_error]
+    )
     ANSWERS[f"{case.method.upper()} {case.path}", response.status_code] += 1
 
 
@@ -166,7 +173,10 @@ def test_server_still_serves_after_fuzzing(seeded: Seeded):
         assert ANSWERS["GET /v1/runs/{run_id}", 200] > 0
     r = requests.get(f"{seeded.url}/healthz", timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
-    r = seeded.http.get(f"{seeded.url}/v1/runs/{seeded.done}/variables/y",
-                        params={"timeout": 5}, timeout=HTTP_TIMEOUT_S)
+    r = seeded.http.get(
+        f"{seeded.url}/v1/runs/{seeded.done}/variables/y",
+        params={"timeout": 5},
+        timeout=HTTP_TIMEOUT_S,
+    )
     assert r.status_code == 200 and r.json()["value"] == "<go>", r.text
     assert seeded.engine.generations  # runs reached the engine

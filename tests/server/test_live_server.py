@@ -31,8 +31,12 @@ def test_openai_sync_completions_and_chat(live, engine):
     assert comp.choices[0].text == REPLY and comp.choices[0].finish_reason == "stop"
     assert comp.usage.completion_tokens == len(REPLY) + 1 and comp.usage.prompt_tokens == 6
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5,
-        seed=7, stop=["zzz"])
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=5,
+        seed=7,
+        stop=["zzz"],
+    )
     assert chat.choices[0].message.content == REPLY[:5]
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].finish_reason == "length"
@@ -43,26 +47,31 @@ def test_openai_sync_completions_and_chat(live, engine):
 def test_openai_sync_streaming(live):
     client = _client(live)
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
-        stream_options={"include_usage": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == REPLY
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(REPLY) + 1
-    pieces = [c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="p", max_tokens=100, stream=True)]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="p", max_tokens=100, stream=True)
+    ]
     assert "".join(pieces) == REPLY
 
 
 async def test_openai_async_and_async_streaming(live):
     client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0)
     chat = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+    )
     assert chat.choices[0].message.content == REPLY
-    stream = await client.completions.create(model=MODEL, prompt="p", max_tokens=8,
-                                             stream=True)
+    stream = await client.completions.create(model=MODEL, prompt="p", max_tokens=8, stream=True)
     text = "".join([c.choices[0].text async for c in stream])
     assert text == REPLY[:8]
     await client.close()
@@ -84,7 +93,8 @@ def test_openai_errors_raise_typed_exceptions(live):
 def test_mid_stream_engine_error_raises_in_openai_client(live, engine):
     engine.fail_after = 3
     stream = _client(live).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True)
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True
+    )
     with pytest.raises(openai.APIError):
         list(stream)
     assert wait_until(lambda: engine.contexts == {})
@@ -138,8 +148,8 @@ def test_disconnect_non_streaming_stops_generation(live, engine):
 async def test_hundred_concurrent_streams(live, engine, app):
     engine.step_delay = 0.002
     limits = httpx.Limits(max_connections=120)
-    async with httpx.AsyncClient(base_url=live.url, headers=AUTH, limits=limits,
-                                 timeout=60) as c:
+    async with httpx.AsyncClient(base_url=live.url, headers=AUTH, limits=limits, timeout=60) as c:
+
         async def one(i: int) -> str:
             body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 20, "stream": True}
             text = []
@@ -165,19 +175,23 @@ def test_frozen_client_is_dropped_and_its_context_freed(engine):
     engine.max_model_len = 1_000_000
     settings = ServerSettings(api_keys=dict(KEYS), sse_send_timeout_s=0.5)
     with LiveServer(create_app(engine, settings=settings)) as live:
-        body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 900_000,
-                           "stream": True}).encode()
+        body = json.dumps(
+            {"model": MODEL, "prompt": "x", "max_tokens": 900_000, "stream": True}
+        ).encode()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", live.port))
         try:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
-                         b"Content-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             # never read: the server's writes back up until its send times out
-            assert wait_until(lambda: engine.generations and engine.generations[0].closed,
-                              timeout=20)
+            assert wait_until(
+                lambda: engine.generations and engine.generations[0].closed, timeout=20
+            )
             rec = engine.generations[0]
             assert rec.finished is None and rec.tokens < 900_000
             assert wait_until(lambda: engine.contexts == {})
@@ -190,8 +204,9 @@ def test_disconnect_during_prefill_cancels_it(live, engine, stream):
     engine.fill_delay = 5.0  # the prompt waits in a saturated engine
     body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": stream}
     with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=AUTH,
-                          timeout=0.3) as r:
+        with httpx.stream(
+            "POST", f"{live.url}/v1/completions", json=body, headers=AUTH, timeout=0.3
+        ) as r:
             r.read()
     assert wait_until(lambda: engine.fills_cancelled == 1, timeout=3)
     assert wait_until(lambda: engine.contexts == {})

@@ -22,11 +22,19 @@ def _samples(text: str) -> dict:
 
 async def test_metrics_after_traffic(client):
     for stream in (False, True):
-        r = await client.post("/v1/completions", json={
-            "model": "fake-model", "prompt": "abcd", "max_tokens": 5, "stream": stream})
+        r = await client.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": "abcd", "max_tokens": 5, "stream": stream},
+        )
         assert r.status_code == 200
-    await client.post("/v1/chat/completions", json={
-        "model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+        },
+    )
     r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = _samples(r.text)
@@ -50,8 +58,9 @@ async def test_each_app_has_its_own_registry():
     b = create_app(FakeEngine(), settings=ServerSettings())
     assert a.state.parrot.metrics.registry is not b.state.parrot.metrics.registry
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t") as c:
-        await c.post("/v1/completions", json={"model": "fake-model", "prompt": "p",
-                                              "max_tokens": 2})
+        await c.post(
+            "/v1/completions", json={"model": "fake-model", "prompt": "p", "max_tokens": 2}
+        )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=b), base_url="http://t") as c:
         m = _samples((await c.get("/metrics")).text)
     assert m["parrot_tokens_generated_total"] == 0
@@ -63,8 +72,9 @@ async def test_metrics_survive_a_broken_engine_stats(engine, settings):
 
     engine.stats = broken
     app = create_app(engine, settings=settings)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                 headers=AUTH) as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", headers=AUTH
+    ) as c:
         r = await c.get("/metrics")
         assert r.status_code == 200 and "parrot_requests_running" in r.text
         h = await c.get("/healthz")

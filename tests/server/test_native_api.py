@@ -29,8 +29,9 @@ async def finished(c: httpx.AsyncClient, rid: str) -> list[dict]:
 
 async def test_run_chain_values_and_detail(tmp_path) -> None:
     async with native_app(tmp_path) as (c, rt):
-        r = await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"},
-                                                   outputs={"z": "latency"}))
+        r = await c.post(
+            "/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}, outputs={"z": "latency"})
+        )
         assert r.status_code == 201, r.text
         rid = r.json()["run_id"]
         z = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10})
@@ -40,8 +41,7 @@ async def test_run_chain_values_and_detail(tmp_path) -> None:
         await finished(c, rid)
         detail = (await c.get(f"/v1/runs/{rid}")).json()
         assert detail["variables"]["y"]["value"] == "<go>"
-        assert [(k["name"], k["status"]) for k in detail["calls"]] == [("a", "done"),
-                                                                       ("b", "done")]
+        assert [(k["name"], k["status"]) for k in detail["calls"]] == [("a", "done"), ("b", "done")]
         assert [k["objective"] for k in detail["calls"]] == ["latency", "latency"]
         assert detail["calls"][0]["completion_tokens"] == len("<go>")
         assert detail["calls"][0]["first_token_at"] is not None
@@ -55,37 +55,59 @@ async def test_run_chain_values_and_detail(tmp_path) -> None:
 
 async def test_events_carry_tokens_and_resume_after_last_event_id(tmp_path) -> None:
     async with native_app(tmp_path) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()[
-            "run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()["run_id"]
         events = await finished(c, rid)
         assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
         types = [e["event"] for e in events]
         assert types[0] == "run_created" and "objectives" in types
-        tokens = "".join(e["data"]["text"] for e in events
-                         if e["event"] == "token" and e["data"]["variable"] == "y")
+        tokens = "".join(
+            e["data"]["text"]
+            for e in events
+            if e["event"] == "token" and e["data"]["variable"] == "y"
+        )
         assert tokens == "<go>"
         # tokens of y all come before y's value and before call a finishes
-        ready_y = next(i for i, e in enumerate(events)
-                       if e["event"] == "variable_ready" and e["data"]["name"] == "y")
-        last_tok = max(i for i, e in enumerate(events)
-                       if e["event"] == "token" and e["data"]["variable"] == "y")
+        ready_y = next(
+            i
+            for i, e in enumerate(events)
+            if e["event"] == "variable_ready" and e["data"]["name"] == "y"
+        )
+        last_tok = max(
+            i
+            for i, e in enumerate(events)
+            if e["event"] == "token" and e["data"]["variable"] == "y"
+        )
         assert last_tok < ready_y
         # the log keeps the manager's order, call ends (written with the run's next
         # write) included
-        steps = [(e["event"], e["data"].get("name") or e["data"].get("call"))
-                 for e in events if e["event"] != "token"]
-        assert steps[2:] == [("call_started", "a"), ("variable_ready", "y"),
-                             ("call_finished", "a"), ("call_started", "b"),
-                             ("variable_ready", "z"), ("call_finished", "b"),
-                             ("run_finished", None)]
+        steps = [
+            (e["event"], e["data"].get("name") or e["data"].get("call"))
+            for e in events
+            if e["event"] != "token"
+        ]
+        assert steps[2:] == [
+            ("call_started", "a"),
+            ("variable_ready", "y"),
+            ("call_finished", "a"),
+            ("call_started", "b"),
+            ("variable_ready", "z"),
+            ("call_finished", "b"),
+            ("run_finished", None),
+        ]
         for cut in (1, 5, len(events) - 1):
-            tail = sse_events((await c.get(f"/v1/runs/{rid}/events",
-                                           headers={"Last-Event-ID": str(cut)})).text)
+            tail = sse_events(
+                (await c.get(f"/v1/runs/{rid}/events", headers={"Last-Event-ID": str(cut)})).text
+            )
             assert tail == events[cut:]
         # a browser reconnecting resends the URL's `after` and a newer Last-Event-ID: the
         # larger one wins (no duplicates)
-        later = sse_events((await c.get(f"/v1/runs/{rid}/events", params={"after": 1},
-                                        headers={"Last-Event-ID": "3"})).text)
+        later = sse_events(
+            (
+                await c.get(
+                    f"/v1/runs/{rid}/events", params={"after": 1}, headers={"Last-Event-ID": "3"}
+                )
+            ).text
+        )
         assert [e["id"] for e in later] == [e["id"] for e in events if int(e["id"]) > 3]
         same = sse_events((await c.get(f"/v1/runs/{rid}/events", params={"after": 3})).text)
         assert same == events[3:]
@@ -96,8 +118,9 @@ async def test_events_carry_tokens_and_resume_after_last_event_id(tmp_path) -> N
 async def test_open_run_takes_calls_and_inputs_then_closes(tmp_path) -> None:
     async with native_app(tmp_path) as (c, rt):
         rid = (await c.post("/v1/runs", json=run_body(CHAIN[0], open=True))).json()["run_id"]
-        added = await c.post(f"/v1/runs/{rid}/calls", json={"calls": [
-            {"template": "More {{input:y}} {{output:w}}"}]})
+        added = await c.post(
+            f"/v1/runs/{rid}/calls", json={"calls": [{"template": "More {{input:y}} {{output:w}}"}]}
+        )
         assert added.status_code == 200, added.text
         assert added.json()["names"] == ["#1"]
         put = await c.put(f"/v1/runs/{rid}/variables/x", json={"value": "hey"})
@@ -114,16 +137,16 @@ async def test_open_run_takes_calls_and_inputs_then_closes(tmp_path) -> None:
         detail = (await c.get(f"/v1/runs/{rid}")).json()
         assert [k["name"] for k in detail["calls"]] == ["a", "#1"]
         assert len(detail["program"]["calls"]) == 2  # the merged program is stored
-        late = await c.post(f"/v1/runs/{rid}/calls", json={"calls": [
-            {"template": "x {{output:q}}"}]})
+        late = await c.post(
+            f"/v1/runs/{rid}/calls", json={"calls": [{"template": "x {{output:q}}"}]}
+        )
         assert late.status_code == 409
 
 
 async def test_long_poll_times_out_clearly_and_cancel_stops_the_run(tmp_path) -> None:
     gate = asyncio.Event()
     async with native_app(tmp_path, engine=ScriptedEngine(reply=echo, gate=gate)) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()[
-            "run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()["run_id"]
         r = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 0.05})
         assert r.status_code == 408
         assert "not ready" in r.json()["error"]["message"]
@@ -139,8 +162,7 @@ async def test_long_poll_times_out_clearly_and_cancel_stops_the_run(tmp_path) ->
 async def test_failed_call_fails_its_variable(tmp_path) -> None:
     engine = ScriptedEngine(reply=echo, fail_if=lambda p: "Then" in p)
     async with native_app(tmp_path, engine=engine) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()[
-            "run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()["run_id"]
         z = (await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10})).json()
         assert z["status"] == "failed" and "EngineError" in z["error"]
         await finished(c, rid)
@@ -155,14 +177,14 @@ async def test_workflows_are_versioned_and_run(tmp_path) -> None:
         program = {"calls": list(CHAIN)}
         v1 = await c.post("/v1/workflows", json={"name": "story", "program": program})
         assert v1.status_code == 201, v1.text
-        v2 = await c.post("/v1/workflows", json={"name": "story", "program": program,
-                                                  "public": True})
+        v2 = await c.post(
+            "/v1/workflows", json={"name": "story", "program": program, "public": True}
+        )
         assert (v1.json()["version"], v2.json()["version"]) == (1, 2)
         assert v2.json()["program"]["public"] is True
         listed = (await c.get("/v1/workflows")).json()["workflows"]
         assert [(w["name"], w["version"]) for w in listed] == [("story", 1), ("story", 2)]
-        r = await c.post("/v1/workflows/story/runs", json={"inputs": {"x": "a"},
-                                                           "version": 1})
+        r = await c.post("/v1/workflows/story/runs", json={"inputs": {"x": "a"}, "version": 1})
         assert r.status_code == 201, r.text
         assert (r.json()["workflow"], r.json()["version"]) == ("story", 1)
         rid = r.json()["run_id"]
@@ -174,9 +196,11 @@ async def test_workflows_are_versioned_and_run(tmp_path) -> None:
 
 async def test_replay_gives_the_same_outputs_or_new_ones_for_new_inputs(tmp_path) -> None:
     async with native_app(tmp_path) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"},
-                                                      outputs={"z": "latency"}))).json()[
-            "run_id"]
+        rid = (
+            await c.post(
+                "/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}, outputs={"z": "latency"})
+            )
+        ).json()["run_id"]
         await finished(c, rid)
         same = (await c.post(f"/v1/runs/{rid}/replay", json={})).json()
         assert same["replay_of"] == rid
@@ -201,8 +225,9 @@ async def test_runs_resume_after_a_restart_without_recomputing(tmp_path) -> None
     engine = ScriptedEngine(reply=echo, gate=gate)
     later = [CHAIN[1], {"name": "c", "template": "Last {{input:z}} {{output:w}}"}]
     async with native_app(tmp_path, engine=engine, url=url) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(CHAIN[0], inputs={"x": "go"},
-                                                      open=True))).json()["run_id"]
+        rid = (
+            await c.post("/v1/runs", json=run_body(CHAIN[0], inputs={"x": "go"}, open=True))
+        ).json()["run_id"]
         await c.get(f"/v1/runs/{rid}/variables/y", params={"timeout": 10})
         gate.clear()  # b will wait: stop the server with the run unfinished
         assert (await c.post(f"/v1/runs/{rid}/calls", json={"calls": later})).status_code == 200
@@ -226,8 +251,9 @@ async def test_a_call_end_lost_in_a_crash_is_recorded_at_recovery(tmp_path) -> N
     it (the call's outputs are all set): nothing is generated again, the value stays."""
     url = f"sqlite:///{tmp_path / 'parrot.db'}"
     async with native_app(tmp_path, url=url, flush_interval_s=3600) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(CHAIN[0], inputs={"x": "go"},
-                                                      open=True))).json()["run_id"]
+        rid = (
+            await c.post("/v1/runs", json=run_body(CHAIN[0], inputs={"x": "go"}, open=True))
+        ).json()["run_id"]
         await c.get(f"/v1/runs/{rid}/variables/y", params={"timeout": 10})
         for _ in range(500):  # the manager finishes call a right after y
             if rt.persister.runs[rid].finishes:
@@ -251,7 +277,9 @@ async def test_a_call_end_lost_in_a_crash_is_recorded_at_recovery(tmp_path) -> N
         assert detail["variables"]["y"] == y_before
         assert detail["variables"]["z"]["value"] == "<<go>>"
         assert [(k["name"], k["status"], k["attempts"]) for k in detail["calls"]] == [
-            ("a", "done", 1), ("b", "done", 1)]
+            ("a", "done", 1),
+            ("b", "done", 1),
+        ]
         assert not any("Start" in g.prompt for g in engine2.generations)  # a generated nothing
         ready = [e["data"]["name"] for e in events if e["event"] == "variable_ready"]
         assert ready.count("y") == 1
@@ -266,14 +294,15 @@ def test_sse_stream_disconnect_releases_the_run(tmp_path) -> None:
     engine = ScriptedEngine(reply=echo, gate=gate)
     store = Store(f"sqlite:///{tmp_path / 'parrot.db'}")
     rt = NativeRuntime(store, {"e0": engine}, worker="w")
-    app = create_app(engine, settings=ServerSettings(api_keys=dict(KEYS), sse_ping_s=1),
-                     native=rt)
+    app = create_app(engine, settings=ServerSettings(api_keys=dict(KEYS), sse_ping_s=1), native=rt)
     with LiveServer(app) as live:
-        rid = httpx.post(f"{live.url}/v1/runs", headers=ALICE, json=run_body(
-            *CHAIN, inputs={"x": "go"})).json()["run_id"]
+        rid = httpx.post(
+            f"{live.url}/v1/runs", headers=ALICE, json=run_body(*CHAIN, inputs={"x": "go"})
+        ).json()["run_id"]
         for _ in range(3):
-            with httpx.stream("GET", f"{live.url}/v1/runs/{rid}/events", headers=ALICE,
-                              timeout=10) as r:
+            with httpx.stream(
+                "GET", f"{live.url}/v1/runs/{rid}/events", headers=ALICE, timeout=10
+            ) as r:
                 first = next(r.iter_lines())
                 assert first.startswith("id: 1") or first.startswith("event:")
             # the client left mid-run: the stream's generator cleaned up
@@ -284,8 +313,7 @@ def test_sse_stream_disconnect_releases_the_run(tmp_path) -> None:
 
 async def test_finished_runs_leave_memory_and_answer_from_the_store(tmp_path) -> None:
     async with native_app(tmp_path, keep_finished_s=0) as (c, rt):
-        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()[
-            "run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))).json()["run_id"]
         await finished(c, rid)
         for _ in range(100):  # the forget is scheduled right after the run's end
             if rid not in rt.manager.runs:
@@ -295,7 +323,8 @@ async def test_finished_runs_leave_memory_and_answer_from_the_store(tmp_path) ->
         z = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 1})
         assert (z.status_code, z.json()["value"]) == (200, "<<go>>")
         assert (await c.get(f"/v1/runs/{rid}/variables/nope")).status_code == 404
-        assert (await c.post(f"/v1/runs/{rid}/calls", json={"calls": [
-            {"template": "x {{output:q}}"}]})).status_code == 409
+        assert (
+            await c.post(f"/v1/runs/{rid}/calls", json={"calls": [{"template": "x {{output:q}}"}]})
+        ).status_code == 409
         assert (await c.post(f"/v1/runs/{rid}/cancel")).json()["status"] == "done"
         assert len(sse_events((await c.get(f"/v1/runs/{rid}/events")).text)) > 5

@@ -24,112 +24,245 @@ CASES = [
     ("missing-program", "POST", "/v1/runs", {"inputs": {}}, 400, "program"),
     ("no-calls", "POST", "/v1/runs", {"program": {"calls": []}}, 400, "calls"),
     ("unknown-field", "POST", "/v1/runs", {**GOOD, "bogus": 1}, 400, "bogus"),
-    ("unclosed-placeholder", "POST", "/v1/runs",
-     run_body({"template": "Hi {{input:x"}, inputs={"x": "1"}), 400, "position"),
-    ("unknown-placeholder-kind", "POST", "/v1/runs",
-     run_body({"template": "Hi {{magic:x}} {{output:y}}"}), 400, "position"),
-    ("bad-variable-name", "POST", "/v1/runs",
-     run_body({"template": "Hi {{input:1x}} {{output:y}}"}, inputs={"1x": "a"}), 400,
-     "position"),
-    ("cycle", "POST", "/v1/runs",
-     run_body({"name": "a", "template": "{{input:x}} {{output:y}}"},
-              {"name": "b", "template": "{{input:y}} {{output:x}}"}), 400, "cycle"),
-    ("two-producers", "POST", "/v1/runs",
-     run_body({"template": "{{output:y}}"}, {"template": "again {{output:y}}"}), 400, "y"),
-    ("duplicate-call-name", "POST", "/v1/runs",
-     run_body({"name": "a", "template": "{{output:y}}"},
-              {"name": "a", "template": "{{output:z}}"}), 400, "a"),
+    (
+        "unclosed-placeholder",
+        "POST",
+        "/v1/runs",
+        run_body({"template": "Hi {{input:x"}, inputs={"x": "1"}),
+        400,
+        "position",
+    ),
+    (
+        "unknown-placeholder-kind",
+        "POST",
+        "/v1/runs",
+        run_body({"template": "Hi {{magic:x}} {{output:y}}"}),
+        400,
+        "position",
+    ),
+    (
+        "bad-variable-name",
+        "POST",
+        "/v1/runs",
+        run_body({"template": "Hi {{input:1x}} {{output:y}}"}, inputs={"1x": "a"}),
+        400,
+        "position",
+    ),
+    (
+        "cycle",
+        "POST",
+        "/v1/runs",
+        run_body(
+            {"name": "a", "template": "{{input:x}} {{output:y}}"},
+            {"name": "b", "template": "{{input:y}} {{output:x}}"},
+        ),
+        400,
+        "cycle",
+    ),
+    (
+        "two-producers",
+        "POST",
+        "/v1/runs",
+        run_body({"template": "{{output:y}}"}, {"template": "again {{output:y}}"}),
+        400,
+        "y",
+    ),
+    (
+        "duplicate-call-name",
+        "POST",
+        "/v1/runs",
+        run_body(
+            {"name": "a", "template": "{{output:y}}"}, {"name": "a", "template": "{{output:z}}"}
+        ),
+        400,
+        "a",
+    ),
     ("missing-input", "POST", "/v1/runs", run_body(A), 400, "x"),
-    ("input-is-generated", "POST", "/v1/runs", run_body(A, inputs={"x": "1", "y": "2"}),
-     400, "y"),
-    ("unknown-input", "POST", "/v1/runs", run_body(A, inputs={"x": "1", "nope": "2"}), 400,
-     "nope"),
-    ("unknown-output", "POST", "/v1/runs",
-     run_body(A, inputs={"x": "1"}, outputs={"nope": "latency"}), 400, "nope"),
-    ("bad-criterion", "POST", "/v1/runs",
-     run_body(A, inputs={"x": "1"}, outputs={"y": "fast"}), 400, "outputs"),
+    ("input-is-generated", "POST", "/v1/runs", run_body(A, inputs={"x": "1", "y": "2"}), 400, "y"),
+    ("unknown-input", "POST", "/v1/runs", run_body(A, inputs={"x": "1", "nope": "2"}), 400, "nope"),
+    (
+        "unknown-output",
+        "POST",
+        "/v1/runs",
+        run_body(A, inputs={"x": "1"}, outputs={"nope": "latency"}),
+        400,
+        "nope",
+    ),
+    (
+        "bad-criterion",
+        "POST",
+        "/v1/runs",
+        run_body(A, inputs={"x": "1"}, outputs={"y": "fast"}),
+        400,
+        "outputs",
+    ),
     ("non-string-input", "POST", "/v1/runs", run_body(A, inputs={"x": 5}), 400, "inputs"),
-    ("config-for-missing-output", "POST", "/v1/runs",
-     run_body({"template": "{{output:y}}", "outputs": {"z": {}}}), 400, "z"),
+    (
+        "config-for-missing-output",
+        "POST",
+        "/v1/runs",
+        run_body({"template": "{{output:y}}", "outputs": {"z": {}}}),
+        400,
+        "z",
+    ),
     ("max-tokens-zero", "POST", "/v1/runs", gen(max_tokens=0), 400, "max_tokens"),
     ("max-tokens-string", "POST", "/v1/runs", gen(max_tokens="5"), 400, "max_tokens"),
     ("negative-temperature", "POST", "/v1/runs", gen(temperature=-1.0), 400, "temperature"),
-    ("nan-temperature", "POST", "/v1/runs",
-     b'{"program":{"calls":[{"template":"Q {{output:y}}","outputs":{"y":{"temperature":NaN}}}]}}',
-     400, ""),
+    (
+        "nan-temperature",
+        "POST",
+        "/v1/runs",
+        b'{"program":{"calls":[{"template":"Q {{output:y}}",'
+        b'"outputs":{"y":{"temperature":NaN}}}]}}',
+        400,
+        "",
+    ),
     ("top-p-zero", "POST", "/v1/runs", gen(top_p=0.0), 400, "top_p"),
     ("unknown-config-field", "POST", "/v1/runs", gen(beam=4), 400, "beam"),
     ("empty-stop-string", "POST", "/v1/runs", gen(stop=[""]), 400, "stop"),
-    ("oversized-body", "POST", "/v1/runs",
-     run_body(A, inputs={"x": "z" * 5000}), 413, "too large"),
+    ("oversized-body", "POST", "/v1/runs", run_body(A, inputs={"x": "z" * 5000}), 413, "too large"),
     ("unknown-run", "GET", "/v1/runs/{missing}", None, 404, "no run"),
     ("unknown-run-events", "GET", "/v1/runs/{missing}/events", None, 404, "no run"),
-    ("unknown-variable-closed-run", "GET", "/v1/runs/{closed}/variables/nope", None, 404,
-     "nope"),
-    ("poll-timeout-negative", "GET", "/v1/runs/{closed}/variables/y?timeout=-1", None, 400,
-     "timeout"),
-    ("poll-timeout-huge", "GET", "/v1/runs/{closed}/variables/y?timeout=1e9", None, 400,
-     "timeout"),
+    ("unknown-variable-closed-run", "GET", "/v1/runs/{closed}/variables/nope", None, 404, "nope"),
+    (
+        "poll-timeout-negative",
+        "GET",
+        "/v1/runs/{closed}/variables/y?timeout=-1",
+        None,
+        400,
+        "timeout",
+    ),
+    ("poll-timeout-huge", "GET", "/v1/runs/{closed}/variables/y?timeout=1e9", None, 400, "timeout"),
     ("poll-bad-perf", "GET", "/v1/runs/{closed}/variables/y?perf=fastest", None, 400, "perf"),
     ("last-event-id-garbage", "GET", "/v1/runs/{closed}/events?after=-3", None, 400, "after"),
-    ("set-input-twice", "PUT", "/v1/runs/{open}/variables/x", {"value": "again"}, 409,
-     "already"),
-    ("set-generated-variable", "PUT", "/v1/runs/{open}/variables/y", {"value": "v"}, 400,
-     "generated"),
+    ("set-input-twice", "PUT", "/v1/runs/{open}/variables/x", {"value": "again"}, 409, "already"),
+    (
+        "set-generated-variable",
+        "PUT",
+        "/v1/runs/{open}/variables/y",
+        {"value": "v"},
+        400,
+        "generated",
+    ),
     ("set-non-string", "PUT", "/v1/runs/{open}/variables/w", {"value": 3}, 400, "value"),
-    ("set-on-closed-run", "PUT", "/v1/runs/{closed}/variables/x", {"value": "v"}, 409,
-     "run"),
-    ("add-calls-closed-run", "POST", "/v1/runs/{closed}/calls",
-     {"calls": [{"template": "{{output:q}}"}]}, 409, "run"),
-    ("add-calls-bad-template", "POST", "/v1/runs/{open}/calls",
-     {"calls": [{"template": "{{output:q"}]}, 400, "position"),
-    ("add-calls-second-producer", "POST", "/v1/runs/{open}/calls",
-     {"calls": [{"template": "again {{output:y}}"}]}, 400, "y"),
-    ("add-calls-cycle", "POST", "/v1/runs/{open}/calls",
-     {"calls": [{"name": "b", "template": "{{input:y}} {{output:x2}}"},
-                {"name": "c", "template": "{{input:x2}} {{output:x}}"}]}, 400, ""),
+    ("set-on-closed-run", "PUT", "/v1/runs/{closed}/variables/x", {"value": "v"}, 409, "run"),
+    (
+        "add-calls-closed-run",
+        "POST",
+        "/v1/runs/{closed}/calls",
+        {"calls": [{"template": "{{output:q}}"}]},
+        409,
+        "run",
+    ),
+    (
+        "add-calls-bad-template",
+        "POST",
+        "/v1/runs/{open}/calls",
+        {"calls": [{"template": "{{output:q"}]},
+        400,
+        "position",
+    ),
+    (
+        "add-calls-second-producer",
+        "POST",
+        "/v1/runs/{open}/calls",
+        {"calls": [{"template": "again {{output:y}}"}]},
+        400,
+        "y",
+    ),
+    (
+        "add-calls-cycle",
+        "POST",
+        "/v1/runs/{open}/calls",
+        {
+            "calls": [
+                {"name": "b", "template": "{{input:y}} {{output:x2}}"},
+                {"name": "c", "template": "{{input:x2}} {{output:x}}"},
+            ]
+        },
+        400,
+        "",
+    ),
     ("add-no-calls", "POST", "/v1/runs/{open}/calls", {"calls": []}, 400, "calls"),
     ("close-missing-input", "POST", "/v1/runs/{open_empty}/close", None, 400, "x"),
-    ("workflow-bad-name", "POST", "/v1/workflows",
-     {"name": "no spaces allowed", "program": {"calls": [A]}}, 400, "name"),
-    ("workflow-bad-template", "POST", "/v1/workflows",
-     {"name": "w", "program": {"calls": [{"template": "{{input:"}]}}, 400, "position"),
+    (
+        "workflow-bad-name",
+        "POST",
+        "/v1/workflows",
+        {"name": "no spaces allowed", "program": {"calls": [A]}},
+        400,
+        "name",
+    ),
+    (
+        "workflow-bad-template",
+        "POST",
+        "/v1/workflows",
+        {"name": "w", "program": {"calls": [{"template": "{{input:"}]}},
+        400,
+        "position",
+    ),
     ("workflow-unknown", "POST", "/v1/workflows/nope/runs", {"inputs": {}}, 404, "nope"),
     ("workflow-missing-input", "POST", "/v1/workflows/good/runs", {"inputs": {}}, 400, "x"),
-    ("workflow-bad-version", "POST", "/v1/workflows/good/runs",
-     {"inputs": {"x": "1"}, "version": 0}, 400, "version"),
-    ("replay-unknown-input", "POST", "/v1/runs/{closed}/replay", {"inputs": {"nope": "1"}},
-     400, "nope"),
+    (
+        "workflow-bad-version",
+        "POST",
+        "/v1/workflows/good/runs",
+        {"inputs": {"x": "1"}, "version": 0},
+        400,
+        "version",
+    ),
+    (
+        "replay-unknown-input",
+        "POST",
+        "/v1/runs/{closed}/replay",
+        {"inputs": {"nope": "1"}},
+        400,
+        "nope",
+    ),
     ("replay-unknown-run", "POST", "/v1/runs/{missing}/replay", {}, 404, "no run"),
     ("list-limit-zero", "GET", "/v1/runs?limit=0", None, 400, "limit"),
     # integers beyond SQL's int64 once reached the driver (OverflowError, a 500; for the
     # event stream a response cut off after its 200): found by test_fuzz_native.py
     ("list-offset-beyond-sql", "GET", f"/v1/runs?offset={2**63}", None, 400, "offset"),
-    ("events-after-beyond-sql", "GET", f"/v1/runs/{{closed}}/events?after={2**63}", None,
-     400, "after"),
-    ("workflow-version-beyond-sql", "POST", "/v1/workflows/good/runs",
-     {"inputs": {"x": "1"}, "version": 2**63}, 400, "version"),
+    (
+        "events-after-beyond-sql",
+        "GET",
+        f"/v1/runs/{{closed}}/events?after={2**63}",
+        None,
+        400,
+        "after",
+    ),
+    (
+        "workflow-version-beyond-sql",
+        "POST",
+        "/v1/workflows/good/runs",
+        {"inputs": {"x": "1"}, "version": 2**63},
+        400,
+        "version",
+    ),
     ("list-bad-status", "GET", "/v1/runs?status=sleeping", None, 400, "status"),
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body", "status", "says"),
-                         [pytest.param(*c[1:], id=c[0]) for c in CASES])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "says"), [pytest.param(*c[1:], id=c[0]) for c in CASES]
+)
 async def test_bad_input_is_a_clear_4xx(tmp_path, method, path, body, status, says) -> None:
     settings = ServerSettings(api_keys=dict(KEYS), max_body_bytes=4096)
     async with native_app(tmp_path, settings=settings) as (c, rt):
         ids = {"missing": "0" * 32}
         ids["closed"] = (await c.post("/v1/runs", json=GOOD)).json()["run_id"]
         sse_events((await c.get(f"/v1/runs/{ids['closed']}/events")).text)  # finished
-        ids["open"] = (await c.post("/v1/runs", json=run_body(
-            A, inputs={"x": "go"}, open=True))).json()["run_id"]
-        ids["open_empty"] = (await c.post("/v1/runs", json=run_body(A, open=True))).json()[
-            "run_id"]
+        ids["open"] = (
+            await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}, open=True))
+        ).json()["run_id"]
+        ids["open_empty"] = (await c.post("/v1/runs", json=run_body(A, open=True))).json()["run_id"]
         await c.post("/v1/workflows", json={"name": "good", "program": {"calls": [A]}})
         url = path.format(**ids)
         if isinstance(body, bytes):
-            r = await c.request(method, url, content=body,
-                                headers={"Content-Type": "application/json"})
+            r = await c.request(
+                method, url, content=body, headers={"Content-Type": "application/json"}
+            )
         else:
             r = await c.request(method, url, json=body)
         assert r.status_code == status, r.text
@@ -155,8 +288,7 @@ async def test_integers_at_the_sql_limit(tmp_path) -> None:
         assert r.status_code == 200 and sse_events(r.text) == [], r.text
         r = await c.get(f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": str(top)})
         assert r.status_code == 200 and sse_events(r.text) == [], r.text
-        r = await c.post("/v1/workflows/good/runs", json={"inputs": {"x": "1"},
-                                                          "version": top})
+        r = await c.post("/v1/workflows/good/runs", json={"inputs": {"x": "1"}, "version": top})
         assert r.status_code == 404 and r.json()["error"]["code"] == "workflow_not_found"
 
         r = await c.get(f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": str(top + 1)})

@@ -29,29 +29,33 @@ def gen(**config) -> dict:
     return run_body({"name": "c", "template": "Q {{output:y}}", "outputs": {"y": config}})
 
 
-@pytest.mark.parametrize(("config", "says"), [
-    ({"top_k": 10**12}, "top_k"),
-    ({"top_k": 258}, "vocabulary size 257"),
-    ({"stop_token_ids": [10**12]}, "stop_token_ids"),
-    ({"stop_token_ids": [5, 257]}, "outside the vocabulary"),
-    ({"max_tokens": 10**30}, "max_tokens"),
-    ({"max_tokens": 1001}, "context of 1000"),
-])
-async def test_configs_beyond_the_model_are_400s_naming_call_and_output(tmp_path, config,
-                                                                        says):
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"top_k": 10**12}, "top_k"),
+        ({"top_k": 258}, "vocabulary size 257"),
+        ({"stop_token_ids": [10**12]}, "stop_token_ids"),
+        ({"stop_token_ids": [5, 257]}, "outside the vocabulary"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"max_tokens": 1001}, "context of 1000"),
+    ],
+)
+async def test_configs_beyond_the_model_are_400s_naming_call_and_output(tmp_path, config, says):
     async with native_app(tmp_path, engine=_engine()) as (c, _):
         r = await c.post("/v1/runs", json=gen(**config))
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
         assert says in message and "'c'" in message and "'y'" in message, message
-        ok = await c.post("/v1/runs", json=gen(top_k=257, max_tokens=1000,
-                                               stop_token_ids=[256]))
+        ok = await c.post("/v1/runs", json=gen(top_k=257, max_tokens=1000, stop_token_ids=[256]))
         assert ok.status_code == 201, ok.text
         # open runs: calls added later are checked the same way
-        rid = (await c.post("/v1/runs", json=run_body({"template": "P {{output:p}}"},
-                                                      open=True))).json()["run_id"]
-        r = await c.post(f"/v1/runs/{rid}/calls", json={"calls": [
-            {"name": "d", "template": "Q {{output:z}}", "outputs": {"z": config}}]})
+        rid = (
+            await c.post("/v1/runs", json=run_body({"template": "P {{output:p}}"}, open=True))
+        ).json()["run_id"]
+        r = await c.post(
+            f"/v1/runs/{rid}/calls",
+            json={"calls": [{"name": "d", "template": "Q {{output:z}}", "outputs": {"z": config}}]},
+        )
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
 
 
@@ -63,8 +67,7 @@ async def test_programs_beyond_max_calls_per_run_are_refused(tmp_path):
         assert r.status_code == 400 and "at most 5" in r.json()["error"]["message"], r.text
         r = await c.post("/v1/runs", json=run_body(*calls[:5]))
         assert r.status_code == 201
-        rid = (await c.post("/v1/runs", json=run_body(*calls[:4], open=True))).json()[
-            "run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(*calls[:4], open=True))).json()["run_id"]
         more = [{"template": f"R{i} {{{{output:p{i}}}}}"} for i in range(2)]
         r = await c.post(f"/v1/runs/{rid}/calls", json={"calls": more})
         assert r.status_code == 400 and "at most 5" in r.json()["error"]["message"], r.text
@@ -98,8 +101,10 @@ async def test_a_cancelled_runs_calls_are_recorded_as_cancelled(tmp_path):
     gate = asyncio.Event()
     engine = _engine(gate=gate)
     async with native_app(tmp_path, engine=engine) as (c, rt):
-        chain = run_body({"name": "a", "template": "Q {{output:x}}"},
-                         {"name": "b", "template": "{{input:x}} {{output:y}}"})
+        chain = run_body(
+            {"name": "a", "template": "Q {{output:x}}"},
+            {"name": "b", "template": "{{input:x}} {{output:y}}"},
+        )
         rid = (await c.post("/v1/runs", json=chain)).json()["run_id"]
         while not engine.generating:  # call a holds the gate
             await asyncio.sleep(0.01)

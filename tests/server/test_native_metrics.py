@@ -17,10 +17,14 @@ async def test_metrics_count_dispatched_calls_and_shared_prefix_use(tmp_path):
     async with native_app(tmp_path) as (c, _):
         before = (await c.get("/metrics")).text
         assert _value(before, "parrot_manager_calls_dispatched_total") == 0
-        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"},
-                                                     outputs={"z": "latency"}))).json()["run_id"]
-        assert (await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10})).status_code \
-            == 200
+        rid = (
+            await c.post(
+                "/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}, outputs={"z": "latency"})
+            )
+        ).json()["run_id"]
+        assert (
+            await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10})
+        ).status_code == 200
         after = (await c.get("/metrics")).text
     assert _value(after, "parrot_manager_calls_dispatched_total") == len(CHAIN)
     # native tokens count in the server's token total (it counted only the OpenAI routes)
@@ -42,10 +46,12 @@ async def test_new_work_gets_429_while_the_backlog_is_full(tmp_path):
 
     gate = asyncio.Event()  # the engine holds its one call: later calls wait in the queue
     settings = ServerSettings(api_keys=dict(KEYS), max_pending_calls=2, retry_after_s=3)
-    async with native_app(tmp_path, engine=ScriptedEngine(reply=echo, gate=gate),
-                          settings=settings,
-                          manager_config=ManagerConfig(policy=PolicyConfig(max_batch=1))) \
-            as (c, rt):
+    async with native_app(
+        tmp_path,
+        engine=ScriptedEngine(reply=echo, gate=gate),
+        settings=settings,
+        manager_config=ManagerConfig(policy=PolicyConfig(max_batch=1)),
+    ) as (c, rt):
         statuses = []
         for _ in range(6):
             r = await c.post("/v1/runs", json=run_body(*CHAIN, inputs={"x": "go"}))

@@ -9,8 +9,13 @@ from parrot_backend.cli import _database_url, build_parser
 
 
 def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parrot_backend.cli", "serve", *args],
-                          capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "parrot_backend.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_no_upgrade_refuses_an_empty_database_and_writes_nothing(tmp_path) -> None:
@@ -51,7 +56,8 @@ def test_data_dir_defaults(tmp_path, monkeypatch) -> None:
 
 
 def test_a_negative_gc_threshold_is_refused(tmp_path) -> None:
-    r = _serve("--data-dir", str(tmp_path), "--gc-threshold", "-1", "--model",
-               str(tmp_path / "nope"))
+    r = _serve(
+        "--data-dir", str(tmp_path), "--gc-threshold", "-1", "--model", str(tmp_path / "nope")
+    )
     assert r.returncode == 2 and "--gc-threshold must be >= 0" in r.stderr
     assert not (tmp_path / "parrot.db").exists()  # refused before the store is opened

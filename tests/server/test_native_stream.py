@@ -24,10 +24,14 @@ async def test_create_and_stream_in_one_request(tmp_path):
 
 async def test_add_calls_set_inputs_and_close_in_one_request(tmp_path):
     async with native_app(tmp_path) as (c, _):
-        rid = (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}, open=True))
-               ).json()["run_id"]
-        body = {"calls": [{"name": "b", "template": "{{input:y}} and {{input:z}} {{output:w}}"}],
-                "inputs": {"z": "zed"}, "close": True}
+        rid = (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}, open=True))).json()[
+            "run_id"
+        ]
+        body = {
+            "calls": [{"name": "b", "template": "{{input:y}} and {{input:z}} {{output:w}}"}],
+            "inputs": {"z": "zed"},
+            "close": True,
+        }
         r = await c.post(f"/v1/runs/{rid}/calls", json=body)
         assert r.status_code == 200 and r.json()["names"] == ["b"], r.text
         events = sse_events((await c.get(f"/v1/runs/{rid}/events")).text)
@@ -38,8 +42,9 @@ async def test_add_calls_set_inputs_and_close_in_one_request(tmp_path):
 
 async def test_add_calls_refuses_bad_inputs_before_changing_anything(tmp_path):
     async with native_app(tmp_path) as (c, _):
-        rid = (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}, open=True))
-               ).json()["run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}, open=True))).json()[
+            "run_id"
+        ]
         cases = [
             ({"inputs": {"x": "again"}}, 409, "already"),
             ({"inputs": {"y": "v"}}, 400, "generated"),

@@ -65,29 +65,46 @@ def _cases(bad: str) -> list[tuple[str, str, str, object]]:
         ("input value", "POST", "/v1/runs", run_body(A, inputs={"x": f"go{bad}"})),
         ("input name", "POST", "/v1/runs", run_body(A, inputs={"x": "go", f"x{bad}": "1"})),
         ("template", "POST", "/v1/runs", run_body({"template": f"{bad} {{{{output:o}}}}"})),
-        ("stop string", "POST", "/v1/runs",
-         run_body({"template": "Q {{output:o}}", "outputs": {"o": {"stop": [bad]}}})),
+        (
+            "stop string",
+            "POST",
+            "/v1/runs",
+            run_body({"template": "Q {{output:o}}", "outputs": {"o": {"stop": [bad]}}}),
+        ),
         ("set value", "PUT", "/v1/runs/{open}/variables/x", {"value": f"v{bad}"}),
-        ("added template", "POST", "/v1/runs/{open}/calls",
-         {"calls": [{"template": f"{{{{input:y}}}}{bad} {{{{output:z}}}}"}]}),
+        (
+            "added template",
+            "POST",
+            "/v1/runs/{open}/calls",
+            {"calls": [{"template": f"{{{{input:y}}}}{bad} {{{{output:z}}}}"}]},
+        ),
         ("replay input", "POST", "/v1/runs/{done}/replay", {"inputs": {"x": f"r{bad}"}}),
-        ("workflow program", "POST", "/v1/workflows",
-         {"name": "w", "program": {"calls": [{"template": f"{bad}{{{{output:o}}}}"}]}}),
+        (
+            "workflow program",
+            "POST",
+            "/v1/workflows",
+            {"name": "w", "program": {"calls": [{"template": f"{bad}{{{{output:o}}}}"}]}},
+        ),
         ("workflow run input", "POST", "/v1/workflows/good/runs", {"inputs": {"x": bad}}),
     ]
 
 
 NAME_CASES = [
-    ("long call name", "POST", "/v1/runs",
-     run_body({"name": LONG, "template": "Q {{output:o}}"})),
-    ("long variable in template", "POST", "/v1/runs",
-     run_body({"template": f"Q {{{{output:{LONG}}}}}"})),
-    ("long input name, open run", "POST", "/v1/runs",
-     run_body(A, inputs={LONG: "1"}, open=True)),
-    ("long output name, open run", "POST", "/v1/runs",
-     run_body(A, outputs={LONG: "latency"}, open=True)),
-    ("long workflow name", "POST", "/v1/workflows", {"name": "w" * 201, "program": {
-        "calls": [A]}}),
+    ("long call name", "POST", "/v1/runs", run_body({"name": LONG, "template": "Q {{output:o}}"})),
+    (
+        "long variable in template",
+        "POST",
+        "/v1/runs",
+        run_body({"template": f"Q {{{{output:{LONG}}}}}"}),
+    ),
+    ("long input name, open run", "POST", "/v1/runs", run_body(A, inputs={LONG: "1"}, open=True)),
+    (
+        "long output name, open run",
+        "POST",
+        "/v1/runs",
+        run_body(A, outputs={LONG: "latency"}, open=True),
+    ),
+    ("long workflow name", "POST", "/v1/workflows", {"name": "w" * 201, "program": {"calls": [A]}}),
     ("set an invalid name", "PUT", "/v1/runs/{open}/variables/a%20b", {"value": "v"}),
     ("set a long name", "PUT", f"/v1/runs/{{open}}/variables/{LONG}", {"value": "v"}),
     ("poll an invalid name", "GET", "/v1/runs/{done}/variables/a%20b?timeout=0", None),
@@ -100,8 +117,9 @@ NAME_CASES = [
 
 
 async def _setup(c) -> dict[str, str]:
-    ids = {"done": (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}))).json()[
-        "run_id"]}
+    ids = {
+        "done": (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}))).json()["run_id"]
+    }
     sse_events((await c.get(f"/v1/runs/{ids['done']}/events")).text)
     ids["open"] = (await c.post("/v1/runs", json=OPEN_A)).json()["run_id"]
     r = await c.post("/v1/workflows", json={"name": "good", "program": {"calls": [A]}})
@@ -110,8 +128,7 @@ async def _setup(c) -> dict[str, str]:
 
 
 async def _still_readable(c, ids) -> None:
-    for path in ("/v1/workflows", "/v1/runs", f"/v1/runs/{ids['done']}",
-                 f"/v1/runs/{ids['open']}"):
+    for path in ("/v1/workflows", "/v1/runs", f"/v1/runs/{ids['done']}", f"/v1/runs/{ids['open']}"):
         r = await c.get(path)
         assert r.status_code == 200, (path, r.text)
 
@@ -121,8 +138,12 @@ async def test_unstorable_text_is_a_400_that_names_it(tmp_path, database, bad):
     async with native_app(tmp_path, url=database) as (c, _):
         ids = await _setup(c)
         for what, method, path, body in _cases(bad):
-            r = await c.request(method, path.format(**ids), content=_raw(body),
-                                headers={"Content-Type": "application/json"})
+            r = await c.request(
+                method,
+                path.format(**ids),
+                content=_raw(body),
+                headers={"Content-Type": "application/json"},
+            )
             assert r.status_code == 400, (what, r.status_code, r.text)
             message = r.json()["error"]["message"]
             assert "surrogate" in message or "NUL" in message, (what, message)
@@ -144,8 +165,7 @@ async def test_a_generated_nul_is_stored_and_read_back_unchanged(tmp_path, datab
 
     engine = ScriptedEngine(reply=lambda prompt: reply)
     async with native_app(tmp_path, url=database, engine=engine) as (c, _):
-        rid = (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}))).json()[
-            "run_id"]
+        rid = (await c.post("/v1/runs", json=run_body(A, inputs={"x": "go"}))).json()["run_id"]
         events = sse_events((await c.get(f"/v1/runs/{rid}/events")).text)
         assert events[-1]["data"]["status"] == "finished"
         r = await c.get(f"/v1/runs/{rid}/variables/y")

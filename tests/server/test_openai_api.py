@@ -32,17 +32,23 @@ async def test_models(client):
 
 
 async def test_completion_non_streaming(client, engine):
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "Say hi", "max_tokens": 100, "temperature": 0})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "Say hi", "max_tokens": 100, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
     assert body["id"].startswith("cmpl-")
-    assert body["choices"] == [{"index": 0, "text": REPLY, "logprobs": None,
-                                "finish_reason": "stop"}]
+    assert body["choices"] == [
+        {"index": 0, "text": REPLY, "logprobs": None, "finish_reason": "stop"}
+    ]
     # one token per character plus the EOS token
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": len(REPLY) + 1,
-                             "total_tokens": 6 + len(REPLY) + 1}
+    assert body["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": len(REPLY) + 1,
+        "total_tokens": 6 + len(REPLY) + 1,
+    }
     assert engine.contexts == {}  # freed
 
 
@@ -57,40 +63,70 @@ async def test_completion_default_max_tokens_is_16(client, engine):
 
 async def test_completion_token_id_prompt_and_echo(client):
     ids = list(b"abc")
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": ids, "max_tokens": 5, "echo": True})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": ids, "max_tokens": 5, "echo": True},
+    )
     body = r.json()
     assert r.status_code == 200, r.text
     assert body["choices"][0]["text"] == "abc" + REPLY[:5]
     assert body["usage"]["prompt_tokens"] == 3
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": [ids], "max_tokens": 2})
+    r = await client.post(
+        "/v1/completions", json={"model": "fake-model", "prompt": [ids], "max_tokens": 2}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY[:2]
 
 
 async def test_sampling_passthrough(client, engine):
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "p", "max_tokens": 7, "temperature": 0.7,
-        "top_p": 0.9, "top_k": 5, "seed": 1234, "stop": ["zz", "yy"], "ignore_eos": True})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "model": "fake-model",
+            "prompt": "p",
+            "max_tokens": 7,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "seed": 1234,
+            "stop": ["zz", "yy"],
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     s = engine.generations[0].sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos) == (
-        7, 0.7, 0.9, 5, 1234, ["zz", "yy"], True)
+        7,
+        0.7,
+        0.9,
+        5,
+        1234,
+        ["zz", "yy"],
+        True,
+    )
 
 
 @pytest.mark.parametrize("stop", ["fake", ["nope", "fake"]])
 async def test_stop_string(client, stop):
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "p", "max_tokens": 100, "stop": stop})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "p", "max_tokens": 100, "stop": stop},
+    )
     choice = r.json()["choices"][0]
     assert choice["text"] == "Hello from the "
     assert choice["finish_reason"] == "stop"
 
 
 async def test_chat_non_streaming(client, engine):
-    r = await client.post("/v1/chat/completions", json={
-        "model": "fake-model", "messages": [{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "Hi"}]})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion"
@@ -98,39 +134,61 @@ async def test_chat_non_streaming(client, engine):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
     assert body["choices"][0]["finish_reason"] == "stop"
     # the default ChatML template was rendered and tokenized
-    prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
-             "<|im_start|>assistant\n"
+    prompt = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert body["usage"]["prompt_tokens"] == len(prompt.encode())
     # chat with no max_tokens may use the whole remaining context
     assert engine.generations[0].sampling.max_tokens == 512 - len(prompt.encode())
 
 
 async def test_chat_uses_engine_template_and_text_parts(engine, settings):
-    engine.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}]"
-                            "{{ m.content }}{% endfor %}{% if add_generation_prompt %}>"
-                            "{% endif %}")
+    engine.chat_template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}]"
+        "{{ m.content }}{% endfor %}{% if add_generation_prompt %}>"
+        "{% endif %}"
+    )
     engine.reply = lambda prompt, sampling: "echo:" + prompt
     app = create_app(engine, settings=settings)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://t", headers=AUTH) as c:
-        r = await c.post("/v1/chat/completions", json={
-            "model": "fake-model", "max_tokens": 100,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                      {"type": "text", "text": "b"}]}]})
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t", headers=AUTH
+    ) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "fake-model",
+                "max_tokens": 100,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    }
+                ],
+            },
+        )
     assert r.json()["choices"][0]["message"]["content"] == "echo:<s>[user]a\nb>"
 
 
 async def test_max_completion_tokens_wins_over_max_tokens(client, engine):
-    r = await client.post("/v1/chat/completions", json={
-        "model": "fake-model", "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 50, "max_completion_tokens": 3})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 50,
+            "max_completion_tokens": 3,
+        },
+    )
     assert r.json()["usage"]["completion_tokens"] == 3
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 async def test_completion_stream_framing(client, engine):
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "p", "max_tokens": 100, "stream": True})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "p", "max_tokens": 100, "stream": True},
+    )
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     assert "event:" not in r.text and "id:" not in r.text
@@ -146,9 +204,16 @@ async def test_completion_stream_framing(client, engine):
 
 
 async def test_chat_stream_role_first_finish_last_usage(client, engine):
-    r = await client.post("/v1/chat/completions", json={
-        "model": "fake-model", "messages": [{"role": "user", "content": "Hi"}],
-        "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 100})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 100,
+        },
+    )
     events = parse_sse(r.text)
     chunks, usage_chunk = events[:-2], events[-2]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -161,14 +226,22 @@ async def test_chat_stream_role_first_finish_last_usage(client, engine):
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"]["completion_tokens"] == len(REPLY) + 1
     assert usage_chunk["usage"]["total_tokens"] == (
-        usage_chunk["usage"]["prompt_tokens"] + len(REPLY) + 1)
+        usage_chunk["usage"]["prompt_tokens"] + len(REPLY) + 1
+    )
     assert engine.contexts == {}
 
 
 async def test_stream_stop_string_never_leaks(client):
-    r = await client.post("/v1/chat/completions", json={
-        "model": "fake-model", "messages": [{"role": "user", "content": "Hi"}],
-        "stream": True, "stop": "fake", "max_tokens": 100})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "stop": "fake",
+            "max_tokens": 100,
+        },
+    )
     chunks = parse_sse(r.text)[:-1]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == "Hello from the "
@@ -177,8 +250,10 @@ async def test_stream_stop_string_never_leaks(client):
 
 async def test_n_choices_fork_from_one_prompt(client, engine):
     engine.reply = lambda prompt, s: f"seed={s.seed}"
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "p", "n": 3, "seed": 10, "max_tokens": 50})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "p", "n": 3, "seed": 10, "max_tokens": 50},
+    )
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [c["text"] for c in choices] == ["seed=10", "seed=11", "seed=12"]
@@ -191,9 +266,16 @@ async def test_n_choices_fork_from_one_prompt(client, engine):
 
 
 async def test_n_choices_stream(client, engine):
-    r = await client.post("/v1/chat/completions", json={
-        "model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 2,
-        "stream": True, "max_tokens": 100})
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "messages": [{"role": "user", "content": "x"}],
+            "n": 2,
+            "stream": True,
+            "max_tokens": 100,
+        },
+    )
     chunks = parse_sse(r.text)[:-1]
     for i in (0, 1):
         mine = [c for c in chunks if c["choices"][0]["index"] == i]
@@ -206,8 +288,9 @@ async def test_n_choices_stream(client, engine):
 async def test_each_request_gets_a_fresh_context_and_frees_it(client, engine):
     for _ in range(3):
         await client.post("/v1/completions", json={"model": "fake-model", "prompt": "p"})
-        await client.post("/v1/completions", json={"model": "fake-model", "prompt": "p",
-                                                    "stream": True})
+        await client.post(
+            "/v1/completions", json={"model": "fake-model", "prompt": "p", "stream": True}
+        )
     ids = [f[0] for f in engine.fills]
     assert len(ids) == 6 and len(set(ids)) == 6
     assert sorted(engine.freed) == sorted(ids)
@@ -218,8 +301,9 @@ async def test_prefix_salt_is_per_tenant_and_not_client_chosen(client, engine):
     body = {"model": "fake-model", "prompt": "p", "max_tokens": 1, "salt": "attacker"}
     await client.post("/v1/completions", json=body)
     await client.post("/v1/completions", json=body)
-    await client.post("/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {OTHER_KEY}"})
+    await client.post(
+        "/v1/completions", json=body, headers={"Authorization": f"Bearer {OTHER_KEY}"}
+    )
     salts = [f[3] for f in engine.fills]
     assert salts[0] == salts[1]  # same tenant: the cache can be reused
     assert salts[2] != salts[0]  # another tenant: it cannot
@@ -229,10 +313,13 @@ async def test_prefix_salt_is_per_tenant_and_not_client_chosen(client, engine):
 
 async def test_engine_error_mid_stream_becomes_error_payload(client, engine):
     from parrot_backend.contract.errors import OutOfMemory
+
     engine.fail_after = 3
     engine.fail_with = OutOfMemory("pool exhausted")
-    r = await client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "p", "max_tokens": 100, "stream": True})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "p", "max_tokens": 100, "stream": True},
+    )
     events = parse_sse(r.text)
     assert "error" in events[-2]
     assert "KV cache" in events[-2]["error"]["message"]
@@ -246,8 +333,14 @@ async def test_engine_error_non_streaming_is_openai_shaped(app, engine):
     async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
         r = await c.post("/v1/completions", json={"model": "fake-model", "prompt": "p"})
     assert r.status_code == 500
-    assert r.json() == {"error": {"message": "internal server error", "type": "server_error",
-                                  "param": None, "code": None}}
+    assert r.json() == {
+        "error": {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
     assert engine.contexts == {}
 
 
@@ -290,8 +383,10 @@ def test_lifespan_leaves_caller_owned_engine_alone(engine):
 
 def test_stream_json_lines_are_compact(engine):
     with TestClient(create_app(engine, settings=ServerSettings())) as c:
-        r = c.post("/v1/completions", json={"model": "fake-model", "prompt": "p",
-                                            "stream": True, "max_tokens": 3})
+        r = c.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": "p", "stream": True, "max_tokens": 3},
+        )
     for line in r.text.split("\n"):
         if line.startswith("data: {"):
             assert json.loads(line[6:])
@@ -300,10 +395,18 @@ def test_stream_json_lines_are_compact(engine):
 async def test_many_streams_leave_no_tasks_or_contexts(client, engine, app):
     """100 concurrent streams in-process, twice: afterwards no task, context or slot is
     left over, so load does not leak."""
+
     async def one(i: int) -> str:
-        r = await client.post("/v1/chat/completions", json={
-            "model": "fake-model", "messages": [{"role": "user", "content": f"m{i}"}],
-            "stream": True, "max_tokens": 8, "n": 1 + i % 2})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "fake-model",
+                "messages": [{"role": "user", "content": f"m{i}"}],
+                "stream": True,
+                "max_tokens": 8,
+                "n": 1 + i % 2,
+            },
+        )
         return r.text
 
     tasks_after = []

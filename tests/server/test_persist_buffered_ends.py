@@ -15,10 +15,14 @@ from parrot_backend.store import Store
 
 from .native_support import migrated_sqlite
 
-PROGRAM = ProgramSpec.model_validate({"calls": [
-    {"name": "a", "template": "A {{input:x}} {{output:y}}"},
-    {"name": "b", "template": "B {{input:y}} {{output:z}}"},
-]}).model_dump(mode="json")
+PROGRAM = ProgramSpec.model_validate(
+    {
+        "calls": [
+            {"name": "a", "template": "A {{input:x}} {{output:y}}"},
+            {"name": "b", "template": "B {{input:y}} {{output:z}}"},
+        ]
+    }
+).model_dump(mode="json")
 
 
 @contextlib.asynccontextmanager
@@ -30,8 +34,11 @@ async def started(tmp_path) -> AsyncIterator[tuple[Store, int, StorePersister]]:
     p.start()
     try:
         p.expect("r1", RunMeta(tenant))
-        await p.on_event("r1", "run_created", {"program": PROGRAM, "inputs": {"x": "1"},
-                                               "outputs": {"z": "latency"}, "open": False})
+        await p.on_event(
+            "r1",
+            "run_created",
+            {"program": PROGRAM, "inputs": {"x": "1"}, "outputs": {"z": "latency"}, "open": False},
+        )
         await p.on_event("r1", "call_started", {"call": "a", "engine": "e0"})
         await p.on_event("r1", "token", {"call": "a", "variable": "y", "text": "2"})
         yield store, tenant, p
@@ -70,8 +77,16 @@ async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path
         assert store.get_run(tenant, "r1").calls[1].status == "done"
         # nothing lost: the failed write's buffered end went with the retry, in order
         types = [e.type for e in store.read_events(tenant, "r1")]
-        assert types == ["run_created", "call_started", "token", "variable_ready",
-                         "call_finished", "call_started", "variable_ready", "call_finished"]
+        assert types == [
+            "run_created",
+            "call_started",
+            "token",
+            "variable_ready",
+            "call_finished",
+            "call_started",
+            "variable_ready",
+            "call_finished",
+        ]
 
 
 async def test_a_failed_flush_keeps_its_batch_for_the_next(tmp_path) -> None:

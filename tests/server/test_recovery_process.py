@@ -23,13 +23,18 @@ N_CALLS = 6
 
 def chain_spec() -> dict:
     calls = [
-        {"name": f"c{i}",
-         "template": f"Step {i} of the story. {{{{input:x{i}}}}} then {{{{output:x{i + 1}}}}}",
-         "outputs": {f"x{i + 1}": {"max_tokens": 64, "temperature": 0.0}}}
+        {
+            "name": f"c{i}",
+            "template": f"Step {i} of the story. {{{{input:x{i}}}}} then {{{{output:x{i + 1}}}}}",
+            "outputs": {f"x{i + 1}": {"max_tokens": 64, "temperature": 0.0}},
+        }
         for i in range(N_CALLS)
     ]
-    return {"program": {"calls": calls}, "inputs": {"x0": "Once upon a time"},
-            "outputs": {f"x{N_CALLS}": "latency"}}
+    return {
+        "program": {"calls": calls},
+        "inputs": {"x0": "Once upon a time"},
+        "outputs": {f"x{N_CALLS}": "latency"},
+    }
 
 
 def detail(url: str, run_id: str) -> dict:
@@ -40,8 +45,11 @@ def detail(url: str, run_id: str) -> dict:
 
 def ready(d: dict) -> dict[str, tuple[str, str]]:
     """Generated variables that are ready: name -> (value, set_at)."""
-    return {n: (v["value"], v["set_at"]) for n, v in d["variables"].items()
-            if v["status"] == "ready" and v["producer_call"] is not None}
+    return {
+        n: (v["value"], v["set_at"])
+        for n, v in d["variables"].items()
+        if v["status"] == "ready" and v["producer_call"] is not None
+    }
 
 
 def read_events(url: str, run_id: str, last_id: str | None, seconds: float) -> list[dict]:
@@ -50,8 +58,12 @@ def read_events(url: str, run_id: str, last_id: str | None, seconds: float) -> l
     raw = ""
     end = time.monotonic() + seconds
     try:
-        with httpx.stream("GET", f"{url}/v1/runs/{run_id}/events", headers=headers,
-                          timeout=httpx.Timeout(10, read=max(seconds, 5))) as r:
+        with httpx.stream(
+            "GET",
+            f"{url}/v1/runs/{run_id}/events",
+            headers=headers,
+            timeout=httpx.Timeout(10, read=max(seconds, 5)),
+        ) as r:
             assert r.status_code == 200
             for chunk in r.iter_text():
                 raw += chunk
@@ -89,8 +101,9 @@ def crash_and_resume(serve: Serve, kills: int) -> None:
             assert now[name] == value
         seen = now
         url = serve.start()
-    final = httpx.get(f"{url}/v1/runs/{run_id}/variables/x{N_CALLS}",
-                      params={"timeout": 120}, timeout=130)
+    final = httpx.get(
+        f"{url}/v1/runs/{run_id}/variables/x{N_CALLS}", params={"timeout": 120}, timeout=130
+    )
     assert final.status_code == 200, final.text
     assert first_life, "no event read before the first kill"
     rest = read_events(url, run_id, first_life[-1]["id"], 60)  # resume across 3 restarts
@@ -107,8 +120,7 @@ def crash_and_resume(serve: Serve, kills: int) -> None:
     assert sum(e["event"] == "run_resumed" for e in events) == kills
     # an uninterrupted run of the same program gives the same outputs (greedy)
     ref = httpx.post(f"{url}/v1/runs/{run_id}/replay", json={}, timeout=30).json()["run_id"]
-    httpx.get(f"{url}/v1/runs/{ref}/variables/x{N_CALLS}", params={"timeout": 120},
-              timeout=130)
+    httpx.get(f"{url}/v1/runs/{ref}/variables/x{N_CALLS}", params={"timeout": 120}, timeout=130)
     read_events(url, ref, None, 60)
     expected = {n: v for n, (v, _) in ready(detail(url, ref)).items()}
     assert {n: v for n, (v, _) in after.items()} == expected
@@ -142,8 +154,9 @@ def engine_dies_and_resumes(serve: Serve) -> None:
     assert code == 1, serve.log.read_text()[-3000:]
     serve.env.pop("PARROT_FAULT_ENGINE_STEP")
     url = serve.start()
-    final = httpx.get(f"{url}/v1/runs/{run_id}/variables/x{N_CALLS}",
-                      params={"timeout": 120}, timeout=130)
+    final = httpx.get(
+        f"{url}/v1/runs/{run_id}/variables/x{N_CALLS}", params={"timeout": 120}, timeout=130
+    )
     assert final.status_code == 200, final.text
     events = read_events(url, run_id, None, 60)
     kinds = [e["event"] for e in events]
@@ -152,16 +165,16 @@ def engine_dies_and_resumes(serve: Serve) -> None:
     d = detail(url, run_id)
     assert d["run"]["status"] == "done"
     ref = httpx.post(f"{url}/v1/runs/{run_id}/replay", json={}, timeout=30).json()["run_id"]
-    httpx.get(f"{url}/v1/runs/{ref}/variables/x{N_CALLS}", params={"timeout": 120},
-              timeout=130)
+    httpx.get(f"{url}/v1/runs/{ref}/variables/x{N_CALLS}", params={"timeout": 120}, timeout=130)
     read_events(url, ref, None, 60)
     expected = {n: v for n, (v, _) in ready(detail(url, ref)).items()}
     assert {n: v for n, (v, _) in ready(d).items()} == expected
     assert len(expected) == N_CALLS
 
 
-def test_an_engine_death_fails_no_run_and_the_next_start_resumes_it(tiny_model_dir,
-                                                                     tmp_path) -> None:
+def test_an_engine_death_fails_no_run_and_the_next_start_resumes_it(
+    tiny_model_dir, tmp_path
+) -> None:
     # about 64 steps per call: the loop dies during the third call
     serve = Serve(tiny_model_dir, tmp_path, None, env={"PARROT_FAULT_ENGINE_STEP": "150"})
     try:
@@ -171,10 +184,8 @@ def test_an_engine_death_fails_no_run_and_the_next_start_resumes_it(tiny_model_d
 
 
 @pytest.mark.postgres
-def test_an_engine_death_fails_no_run_on_postgresql(tiny_model_dir, tmp_path,
-                                                    pg_database) -> None:
-    serve = Serve(tiny_model_dir, tmp_path, pg_database,
-                  env={"PARROT_FAULT_ENGINE_STEP": "150"})
+def test_an_engine_death_fails_no_run_on_postgresql(tiny_model_dir, tmp_path, pg_database) -> None:
+    serve = Serve(tiny_model_dir, tmp_path, pg_database, env={"PARROT_FAULT_ENGINE_STEP": "150"})
     try:
         engine_dies_and_resumes(serve)
     finally:

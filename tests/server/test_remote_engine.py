@@ -49,13 +49,31 @@ class EngineProcess:
     def __init__(self, model: Path, tmp: Path, *extra: str, env: dict | None = None) -> None:
         self.out = tmp / f"engine-{uuid.uuid4().hex[:6]}.out"
         self.err = self.out.with_suffix(".err")
-        cmd = [sys.executable, "-m", "parrot_backend.server.engine_main", "--model",
-               str(model), "--device", "cpu", "--dtype", "float32", "--num-blocks",
-               str(NUM_BLOCKS), "--host", "127.0.0.1", "--port", "0", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "parrot_backend.server.engine_main",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *extra,
+        ]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, env={**os.environ, "PARROT_ENGINE_API_KEY":
-                                                  ENGINE_KEY, **(env or {})})
+                cmd,
+                stdout=out,
+                stderr=err,
+                env={**os.environ, "PARROT_ENGINE_API_KEY": ENGINE_KEY, **(env or {})},
+            )
         self.url: str | None = None
 
     def wait_url(self, timeout: float = STARTUP_S) -> str:
@@ -101,8 +119,9 @@ async def remote(engine_url) -> RemoteEngine:
 
 @pytest.fixture
 async def local(tiny_model_dir) -> Engine:
-    engine = Engine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32",
-                                    num_blocks=NUM_BLOCKS, progress=False)
+    engine = Engine.from_pretrained(
+        tiny_model_dir, device="cpu", dtype="float32", num_blocks=NUM_BLOCKS, progress=False
+    )
     async with engine:
         yield engine
 
@@ -140,15 +159,19 @@ async def test_remote_matches_in_process_engine(remote, local, tiny_model_dir):
     assert remote.model_name == local.model_name
     assert (remote.vocab_size, remote.max_model_len) == (local.vocab_size, local.max_model_len)
     assert remote.eos_ids == local.eos_ids and remote.chat_template == local.chat_template
-    for text in ["Hello, world!", "  spaces\tand\nnewlines", "ünïcödé 🦜 漢字",
-                 "<|im_start|>user\nhi<|im_end|>", ""]:
+    for text in [
+        "Hello, world!",
+        "  spaces\tand\nnewlines",
+        "ünïcödé 🦜 漢字",
+        "<|im_start|>user\nhi<|im_end|>",
+        "",
+    ]:
         assert remote.tokenize(text) == local.tokenize(text)
         ids = local.tokenize(text) + [local.tokenizer.eos_token_id]
         assert remote.detokenize(ids) == local.detokenize(ids)
 
     # a tokenizer loaded locally from the same model tokenizes the same
-    same = await RemoteEngine.connect(remote.base_url, api_key=ENGINE_KEY,
-                                      tokenizer=tiny_model_dir)
+    same = await RemoteEngine.connect(remote.base_url, api_key=ENGINE_KEY, tokenizer=tiny_model_dir)
     assert same.tokenizer is not remote.tokenizer
     assert same.tokenize("Hello, world! 🦜") == remote.tokenize("Hello, world! 🦜")
     await same.aclose()
@@ -189,9 +212,13 @@ async def test_errors_map_to_engine_classes(remote):
     with pytest.raises(ContextNotFound):
         await remote.free("never-filled")
     await remote.fill(root, None, remote.tokenize("a parent prompt"))
-    for bad in (SamplingParams(temperature=-1), SamplingParams(top_p=0.0),
-                SamplingParams(max_tokens=0), SamplingParams(top_k=10**7),
-                SamplingParams(stop_token_ids=[10**9])):
+    for bad in (
+        SamplingParams(temperature=-1),
+        SamplingParams(top_p=0.0),
+        SamplingParams(max_tokens=0),
+        SamplingParams(top_k=10**7),
+        SamplingParams(stop_token_ids=[10**9]),
+    ):
         with pytest.raises(InvalidRequest):
             await _tokens(remote, root, None, bad)
     with pytest.raises(InvalidRequest, match="vocabulary"):
@@ -215,16 +242,20 @@ def test_error_bodies_and_statuses_map_back():
     def body(name: str) -> dict:
         return {"error": {"type": name, "message": "m"}}
 
-    cases = [(400, body("InvalidRequest"), InvalidRequest),
-             (404, body("ContextNotFound"), ContextNotFound),
-             (409, body("ContextBusy"), ContextBusy),
-             (507, body("OutOfMemory"), OutOfMemory),
-             (503, body("RequestCancelled"), RequestCancelled),
-             (503, body("EngineError"), EngineUnavailable),
-             (401, body("Unauthorized"), EngineUnavailable),
-             (507, None, OutOfMemory), (404, "not json", ContextNotFound),
-             (400, None, InvalidRequest), (502, None, EngineUnavailable),
-             (418, None, EngineError)]
+    cases = [
+        (400, body("InvalidRequest"), InvalidRequest),
+        (404, body("ContextNotFound"), ContextNotFound),
+        (409, body("ContextBusy"), ContextBusy),
+        (507, body("OutOfMemory"), OutOfMemory),
+        (503, body("RequestCancelled"), RequestCancelled),
+        (503, body("EngineError"), EngineUnavailable),
+        (401, body("Unauthorized"), EngineUnavailable),
+        (507, None, OutOfMemory),
+        (404, "not json", ContextNotFound),
+        (400, None, InvalidRequest),
+        (502, None, EngineUnavailable),
+        (418, None, EngineError),
+    ]
     for status, payload, cls in cases:
         err = error_from_response(status, payload)
         assert type(err) is cls, (status, payload, err)
@@ -237,8 +268,9 @@ async def test_unreachable_engine_is_unavailable(remote, engine_url):
     with pytest.raises(EngineUnavailable, match="API key"):
         await RemoteEngine.connect(engine_url, api_key="wrong")
     # a client aimed at a dead address fails every primitive with EngineUnavailable
-    dead = RemoteEngine(_closed_port_url(), api_key=ENGINE_KEY, info=remote.info,
-                        tokenizer=remote.tokenizer)
+    dead = RemoteEngine(
+        _closed_port_url(), api_key=ENGINE_KEY, info=remote.info, tokenizer=remote.tokenizer
+    )
     with pytest.raises(EngineUnavailable):
         await dead.fill("x", None, [1])
     with pytest.raises(EngineUnavailable):
@@ -291,8 +323,9 @@ async def test_cancelling_a_waiting_generate_task_cancels_it(remote):
     limit = remote.max_model_len - 20
 
     async def consume() -> None:
-        async for _ in remote.generate(cid, None, SamplingParams(max_tokens=limit,
-                                                                 ignore_eos=True)):
+        async for _ in remote.generate(
+            cid, None, SamplingParams(max_tokens=limit, ignore_eos=True)
+        ):
             pass
 
     task = asyncio.create_task(consume())
@@ -320,18 +353,29 @@ def _engine_routes(local: Engine) -> list[tuple[str, str]]:
 async def test_every_engine_route_needs_the_key(engine_url, local):
     routes = _engine_routes(local)
     paths = {path for _, path in routes}
-    assert {"/engine/fill", "/engine/generate", "/engine/free", "/engine/stats",
-            "/engine/info", "/engine/tokenizer", "/openapi.json", "/docs"} <= paths
+    assert {
+        "/engine/fill",
+        "/engine/generate",
+        "/engine/free",
+        "/engine/stats",
+        "/engine/info",
+        "/engine/tokenizer",
+        "/openapi.json",
+        "/docs",
+    } <= paths
     routes.append(("GET", "/no/such/route"))
     body = {"context_id": "x", "token_ids": [1]}
     async with httpx.AsyncClient(base_url=engine_url, timeout=20, trust_env=False) as client:
         for method, path in routes:
             if path == "/healthz":
                 continue
-            for headers in ({}, {"Authorization": "Bearer wrong"},
-                            {"Authorization": f"Basic {ENGINE_KEY}"},
-                            {"Authorization": ENGINE_KEY},
-                            {"Authorization": f"Bearer {ENGINE_KEY}x"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": f"Basic {ENGINE_KEY}"},
+                {"Authorization": ENGINE_KEY},
+                {"Authorization": f"Bearer {ENGINE_KEY}x"},
+            ):
                 r = await client.request(method, path, json=body, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 assert r.json()["error"]["type"] == "Unauthorized"
@@ -347,28 +391,36 @@ async def test_every_engine_route_needs_the_key(engine_url, local):
 
 async def test_malformed_bodies_are_400_with_a_message(engine_url):
     headers = {"Authorization": f"Bearer {ENGINE_KEY}"}
-    async with httpx.AsyncClient(base_url=engine_url, headers=headers, timeout=20,
-                                 trust_env=False) as client:
-        cases = [("/engine/fill", {"context_id": [1], "token_ids": [1]}, "context_id"),
-                 ("/engine/fill", {"context_id": "a", "token_ids": ["1"]}, "token_ids"),
-                 ("/engine/fill", {"context_id": True, "token_ids": [1]}, "context_id"),
-                 ("/engine/fill", {"context_id": "a"}, "token_ids"),
-                 ("/engine/fill", {"context_id": "a", "token_ids": [], "x": 1}, "x"),
-                 ("/engine/generate", {"context_id": "a", "sampling": {"max_tokens": "9"}},
-                  "max_tokens"),
-                 ("/engine/generate", {"context_id": "a", "sampling": {"temp": 1}}, "temp"),
-                 ("/engine/free", {}, "context_id")]
+    async with httpx.AsyncClient(
+        base_url=engine_url, headers=headers, timeout=20, trust_env=False
+    ) as client:
+        cases = [
+            ("/engine/fill", {"context_id": [1], "token_ids": [1]}, "context_id"),
+            ("/engine/fill", {"context_id": "a", "token_ids": ["1"]}, "token_ids"),
+            ("/engine/fill", {"context_id": True, "token_ids": [1]}, "context_id"),
+            ("/engine/fill", {"context_id": "a"}, "token_ids"),
+            ("/engine/fill", {"context_id": "a", "token_ids": [], "x": 1}, "x"),
+            (
+                "/engine/generate",
+                {"context_id": "a", "sampling": {"max_tokens": "9"}},
+                "max_tokens",
+            ),
+            ("/engine/generate", {"context_id": "a", "sampling": {"temp": 1}}, "temp"),
+            ("/engine/free", {}, "context_id"),
+        ]
         for path, payload, field in cases:
             r = await client.post(path, json=payload)
             assert r.status_code == 400, (path, payload, r.text)
             error = r.json()["error"]
             assert error["type"] == "InvalidRequest" and field in error["message"]
-        r = await client.post("/engine/fill", content=b"{not json",
-                              headers={"content-type": "application/json"})
+        r = await client.post(
+            "/engine/fill", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400
         # "1" and 1 are different contexts
-        assert (await client.post("/engine/fill", json={"context_id": 1, "token_ids": [1]})
-                ).json() == {"length": 1}
+        assert (
+            await client.post("/engine/fill", json={"context_id": 1, "token_ids": [1]})
+        ).json() == {"length": 1}
         r = await client.post("/engine/free", json={"context_id": "1"})
         assert r.status_code == 404 and r.json()["error"]["type"] == "ContextNotFound"
         assert (await client.post("/engine/free", json={"context_id": 1})).status_code == 200
@@ -378,10 +430,28 @@ def test_engine_subcommand_parser():
     parser = argparse.ArgumentParser(prog="parrot-backend")
     sub = parser.add_subparsers(dest="command", required=True)
     add_engine_parser(sub)
-    args = parser.parse_args(["engine", "--model", "m", "--manager", "http://h:1",
-                              "--port", "0", "--api-key", "k", "--manager-key", "op"])
+    args = parser.parse_args(
+        [
+            "engine",
+            "--model",
+            "m",
+            "--manager",
+            "http://h:1",
+            "--port",
+            "0",
+            "--api-key",
+            "k",
+            "--manager-key",
+            "op",
+        ]
+    )
     assert (args.model, args.manager, args.port, args.api_key, args.manager_key) == (
-        "m", "http://h:1", 0, "k", "op")
+        "m",
+        "http://h:1",
+        0,
+        "k",
+        "op",
+    )
     assert args.func.__name__ == "run_engine"
 
 
@@ -404,8 +474,9 @@ async def test_engine_process_exits_nonzero_when_its_engine_dies(tiny_model_dir,
         # sees the engine as unavailable
         with pytest.raises(EngineUnavailable):
             async with asyncio.timeout(STARTUP_S):
-                async for _ in engine.generate("a", None, SamplingParams(max_tokens=50,
-                                                                         ignore_eos=True)):
+                async for _ in engine.generate(
+                    "a", None, SamplingParams(max_tokens=50, ignore_eos=True)
+                ):
                     pass
         await engine.aclose()
         assert await asyncio.to_thread(proc.proc.wait, STARTUP_S) == 1
@@ -419,21 +490,25 @@ async def test_sse_parser_splits_only_at_line_feeds():
     from parrot_backend.contract.wire import sse_frame as _frame
 
     text = "a\u2028b\x85c\u2029d\r\ne"
-    frames = [_frame({"token_id": 1, "text": text, "finish_reason": None}),
-              b": ping\n\n",
-              b'data: {"token_id":2,"text":"\xe2\x80\xa8raw","finish_reason":"stop"}\r\n\r\n',
-              _frame({"error": {"type": "ContextBusy", "message": "m"}}, "error")]
+    frames = [
+        _frame({"token_id": 1, "text": text, "finish_reason": None}),
+        b": ping\n\n",
+        b'data: {"token_id":2,"text":"\xe2\x80\xa8raw","finish_reason":"stop"}\r\n\r\n',
+        _frame({"error": {"type": "ContextBusy", "message": "m"}}, "error"),
+    ]
     assert frames[0].isascii()
     blob = b"".join(frames)
 
     async def chunks():  # split everywhere, even inside multi-byte characters
         for i in range(0, len(blob), 3):
-            yield blob[i:i + 3]
+            yield blob[i : i + 3]
 
     events = [(name, json.loads(data)) async for name, data in _sse_events(chunks())]
-    assert events == [("message", {"token_id": 1, "text": text, "finish_reason": None}),
-                      ("message", {"token_id": 2, "text": "\u2028raw", "finish_reason": "stop"}),
-                      ("error", {"error": {"type": "ContextBusy", "message": "m"}})]
+    assert events == [
+        ("message", {"token_id": 1, "text": text, "finish_reason": None}),
+        ("message", {"token_id": 2, "text": "\u2028raw", "finish_reason": "stop"}),
+        ("error", {"error": {"type": "ContextBusy", "message": "m"}}),
+    ]
 
 
 async def test_closing_the_client_ends_streams_in_progress(engine_url):
@@ -459,17 +534,29 @@ def _map_reduce_spec():
     from parrot_backend.program import RunSpec
 
     gen = {"max_tokens": 5}
-    calls = [{"name": f"map{i}", "outputs": {f"s{i}": gen},
-              "template": f"Summarize: {{{{input:chunk{i}}}}} Summary: {{{{output:s{i}}}}}"}
-             for i in range(4)]
-    calls.append({"name": "reduce", "outputs": {"total": gen}, "template":
-                  "Summaries: {{input:s0}} | {{input:s1}} | {{input:s2}} | {{input:s3}} "
-                  "All: {{output:total}}"})
-    return RunSpec.model_validate({
-        "program": {"calls": calls},
-        "inputs": {f"chunk{i}": f"text of part {i} about parrots" for i in range(4)},
-        "outputs": {"total": "latency"},
-    })
+    calls = [
+        {
+            "name": f"map{i}",
+            "outputs": {f"s{i}": gen},
+            "template": f"Summarize: {{{{input:chunk{i}}}}} Summary: {{{{output:s{i}}}}}",
+        }
+        for i in range(4)
+    ]
+    calls.append(
+        {
+            "name": "reduce",
+            "outputs": {"total": gen},
+            "template": "Summaries: {{input:s0}} | {{input:s1}} | {{input:s2}} | {{input:s3}} "
+            "All: {{output:total}}",
+        }
+    )
+    return RunSpec.model_validate(
+        {
+            "program": {"calls": calls},
+            "inputs": {f"chunk{i}": f"text of part {i} about parrots" for i in range(4)},
+            "outputs": {"total": "latency"},
+        }
+    )
 
 
 async def _run_managed(engines: dict) -> dict[str, str]:
@@ -490,8 +577,9 @@ async def test_manager_runs_programs_on_remote_engines(remote, tiny_model_dir):
     """The manager drives a RemoteEngine exactly as an in-process one, alone or mixed."""
 
     def fresh() -> Engine:
-        return Engine.from_pretrained(tiny_model_dir, device="cpu", dtype="float32",
-                                      num_blocks=NUM_BLOCKS, progress=False)
+        return Engine.from_pretrained(
+            tiny_model_dir, device="cpu", dtype="float32", num_blocks=NUM_BLOCKS, progress=False
+        )
 
     async with fresh() as local:
         want = await _run_managed({"local": local})
@@ -566,9 +654,10 @@ async def test_cancelled_calls_cancel_the_engine_request_before_any_answer(local
     with LiveServer(create_engine_app(stuck, api_key=ENGINE_KEY)) as server:
         engine = await RemoteEngine.connect(server.url, api_key=ENGINE_KEY)
         try:
-            for what, call in [("fill:a", lambda: engine.fill("a", None, [1])),
-                               ("generate:b", lambda: _tokens(engine, "b", None,
-                                                              SamplingParams()))]:
+            for what, call in [
+                ("fill:a", lambda: engine.fill("a", None, [1])),
+                ("generate:b", lambda: _tokens(engine, "b", None, SamplingParams())),
+            ]:
                 task = asyncio.create_task(call())
                 async with asyncio.timeout(30):
                     while what not in stuck.started:
@@ -593,13 +682,25 @@ async def test_openai_api_serves_from_a_remote_engine(remote, local):
     for engine in (remote, local):
         app = create_app(engine, settings=ServerSettings(api_keys={"sk-t": "t"}))
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60,
-                                     headers={"Authorization": "Bearer sk-t"}) as client:
-            r = await client.post("/v1/chat/completions", json={
-                "model": engine.model_name, "max_tokens": 8, "temperature": 0, "n": 2,
-                "messages": [{"role": "user", "content": "Say something"}]})
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://test",
+            timeout=60,
+            headers={"Authorization": "Bearer sk-t"},
+        ) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": engine.model_name,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "n": 2,
+                    "messages": [{"role": "user", "content": "Say something"}],
+                },
+            )
             assert r.status_code == 200, r.text
-            replies.append([(c["message"]["content"], c["finish_reason"])
-                            for c in r.json()["choices"]])
+            replies.append(
+                [(c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]]
+            )
     assert replies[0] == replies[1]
     assert (await remote.stats()).contexts == before.contexts  # the server freed its own

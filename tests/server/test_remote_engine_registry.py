@@ -69,21 +69,38 @@ def registry_app(registry: EngineRegistry) -> FastAPI:
 
 async def _generate(engine: RemoteEngine, cid: str) -> list[int]:
     await engine.fill(cid, None, engine.tokenize("The registry test says"))
-    tokens = [d.token_id async for d in engine.generate(
-        cid, None, SamplingParams(max_tokens=4, ignore_eos=True))]
+    tokens = [
+        d.token_id
+        async for d in engine.generate(cid, None, SamplingParams(max_tokens=4, ignore_eos=True))
+    ]
     await engine.free(cid)
     return tokens
 
 
 async def test_engines_register_heartbeat_and_expire(tiny_model_dir, tmp_path):
     recorder = Recorder()
-    registry = EngineRegistry(operator_key=OPERATOR_KEY, model_name=tiny_model_dir.name,
-                              heartbeat_interval_s=0.5, max_missed=3,
-                              on_added=recorder.on_added, on_removed=recorder.on_removed)
+    registry = EngineRegistry(
+        operator_key=OPERATOR_KEY,
+        model_name=tiny_model_dir.name,
+        heartbeat_interval_s=0.5,
+        max_missed=3,
+        on_added=recorder.on_added,
+        on_removed=recorder.on_removed,
+    )
     server = LiveServer(registry_app(registry))  # port chosen, not listening yet
-    procs = [EngineProcess(tiny_model_dir, tmp_path, "--manager", server.url,
-                           "--manager-key", OPERATOR_KEY, "--engine-id", eid)
-             for eid in ("e1", "e2")]
+    procs = [
+        EngineProcess(
+            tiny_model_dir,
+            tmp_path,
+            "--manager",
+            server.url,
+            "--manager-key",
+            OPERATOR_KEY,
+            "--engine-id",
+            eid,
+        )
+        for eid in ("e1", "e2")
+    ]
     clients: list[RemoteEngine] = []
     try:
         urls = [p.wait_url() for p in procs]
@@ -91,8 +108,9 @@ async def test_engines_register_heartbeat_and_expire(tiny_model_dir, tmp_path):
         with server:
             recorder.wait(lambda: sorted(recorder.added) == ["e1", "e2"])
             assert set(registry.engines) == {"e1", "e2"}
-            async with httpx.AsyncClient(base_url=server.url, headers=OP,
-                                         trust_env=False, timeout=20) as http:
+            async with httpx.AsyncClient(
+                base_url=server.url, headers=OP, trust_env=False, timeout=20
+            ) as http:
                 listed = (await http.get("/v1/engines")).json()
             assert {e["engine_id"]: e["url"] for e in listed} == {"e1": urls[0], "e2": urls[1]}
 
@@ -102,8 +120,9 @@ async def test_engines_register_heartbeat_and_expire(tiny_model_dir, tmp_path):
 
             # a generation in flight when its engine dies fails fast, as unavailable
             await clients[0].fill("long", None, clients[0].tokenize("on and on"))
-            stream = clients[0].generate("long", None,
-                                         SamplingParams(max_tokens=400, ignore_eos=True))
+            stream = clients[0].generate(
+                "long", None, SamplingParams(max_tokens=400, ignore_eos=True)
+            )
             await anext(stream)
             procs[0].kill(signal.SIGKILL)
             with pytest.raises(EngineUnavailable):
@@ -132,30 +151,48 @@ async def test_engines_register_heartbeat_and_expire(tiny_model_dir, tmp_path):
 
 async def test_registry_routes_need_the_operator_key_and_valid_bodies(tiny_model_dir):
     recorder = Recorder()
-    registry = EngineRegistry(operator_key=OPERATOR_KEY, model_name="some-model",
-                              on_added=recorder.on_added, on_removed=recorder.on_removed)
+    registry = EngineRegistry(
+        operator_key=OPERATOR_KEY,
+        model_name="some-model",
+        on_added=recorder.on_added,
+        on_removed=recorder.on_removed,
+    )
     transport = httpx.ASGITransport(app=registry_app(registry))
-    body = {"engine_id": "e1", "url": "http://127.0.0.1:9", "model_name": "some-model",
-            "api_key": "k"}
+    body = {
+        "engine_id": "e1",
+        "url": "http://127.0.0.1:9",
+        "model_name": "some-model",
+        "api_key": "k",
+    }
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-        for method, path in [("POST", "/v1/engines/register"),
-                             ("POST", "/v1/engines/e1/heartbeat"),
-                             ("DELETE", "/v1/engines/e1"), ("GET", "/v1/engines")]:
+        for method, path in [
+            ("POST", "/v1/engines/register"),
+            ("POST", "/v1/engines/e1/heartbeat"),
+            ("DELETE", "/v1/engines/e1"),
+            ("GET", "/v1/engines"),
+        ]:
             assert (await http.request(method, path, json=body)).status_code == 401
             for key in ("wrong", ENGINE_KEY):
-                r = await http.request(method, path, json=body,
-                                       headers={"Authorization": f"Bearer {key}"})
+                r = await http.request(
+                    method, path, json=body, headers={"Authorization": f"Bearer {key}"}
+                )
                 assert r.status_code == 403, (method, path)
         r = await http.post("/v1/engines/e1/heartbeat", headers=OP)
         assert r.status_code == 404 and "register again" in r.text
         assert (await http.delete("/v1/engines/e1", headers=OP)).status_code == 404
-        bad = [{**body, "url": "ftp://x"}, {**body, "engine_id": "a b"},
-               {**body, "api_key": ""}, {**body, "extra": 1}, {"engine_id": "e1"}]
+        bad = [
+            {**body, "url": "ftp://x"},
+            {**body, "engine_id": "a b"},
+            {**body, "api_key": ""},
+            {**body, "extra": 1},
+            {"engine_id": "e1"},
+        ]
         for payload in bad:
             r = await http.post("/v1/engines/register", json=payload, headers=OP)
             assert r.status_code in (400, 422), payload  # 400 under the server's handlers
-        r = await http.post("/v1/engines/register", headers=OP,
-                            json={**body, "model_name": "other-model"})
+        r = await http.post(
+            "/v1/engines/register", headers=OP, json={**body, "model_name": "other-model"}
+        )
         assert r.status_code == 409 and "some-model" in r.text
         # nothing listens on port 9: the registry cannot connect, so it refuses
         r = await http.post("/v1/engines/register", json=body, headers=OP)
@@ -190,10 +227,16 @@ async def test_expiry_and_reregistration_on_a_fake_clock():
         return made[-1]
 
     events: list[tuple[str, str]] = []
-    registry = EngineRegistry(operator_key="op", model_name="m", heartbeat_interval_s=1.0,
-                              max_missed=3, connect=connect, clock=lambda: now[0],
-                              on_added=lambda eid, c: events.append(("added", eid)),
-                              on_removed=lambda eid: events.append(("removed", eid)))
+    registry = EngineRegistry(
+        operator_key="op",
+        model_name="m",
+        heartbeat_interval_s=1.0,
+        max_missed=3,
+        connect=connect,
+        clock=lambda: now[0],
+        on_added=lambda eid, c: events.append(("added", eid)),
+        on_removed=lambda eid: events.append(("removed", eid)),
+    )
 
     def req(eid: str) -> RegisterRequest:
         return RegisterRequest(engine_id=eid, url="http://h:1", model_name="m", api_key="k")
@@ -207,8 +250,13 @@ async def test_expiry_and_reregistration_on_a_fake_clock():
     assert made[0].closed and not made[1].closed
     await registry.register(req("b"))  # b restarted: the old one is removed first
     assert made[1].closed and set(registry.engines) == {"b"}
-    assert events == [("added", "a"), ("added", "b"), ("removed", "a"), ("removed", "b"),
-                      ("added", "b")]
+    assert events == [
+        ("added", "a"),
+        ("added", "b"),
+        ("removed", "a"),
+        ("removed", "b"),
+        ("added", "b"),
+    ]
     await registry.stop()
     assert made[2].closed and registry.engines == {}
     assert [c.resets for c in made] == [1, 1, 1]  # every registration starts from a reset
@@ -218,4 +266,3 @@ async def test_expiry_and_reregistration_on_a_fake_clock():
     with pytest.raises(Exception, match="could not add"):
         await registry.register(req("c"))
     assert made[-1].closed and registry.engines == {}
-

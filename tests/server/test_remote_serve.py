@@ -15,24 +15,47 @@ SYSTEM = "You are a careful assistant. Answer in a few words, plainly and polite
 
 
 def one_call(question: str) -> dict:
-    return {"program": {"calls": [{"name": "c", "template": SYSTEM + "Q: {{input:q}} A: "
-                                   "{{output:a}}", "outputs": {"a": {"max_tokens": 4}}}]},
-            "inputs": {"q": question}, "outputs": {"a": "latency"}}
+    return {
+        "program": {
+            "calls": [
+                {
+                    "name": "c",
+                    "template": SYSTEM + "Q: {{input:q}} A: {{output:a}}",
+                    "outputs": {"a": {"max_tokens": 4}},
+                }
+            ]
+        },
+        "inputs": {"q": question},
+        "outputs": {"a": "latency"},
+    }
 
 
 def fan_out() -> dict:
-    calls = [{"name": f"w{i}", "template": f"Worker {i} writes about {{{{input:t}}}}: "
-              f"{{{{output:p{i}}}}}", "outputs": {f"p{i}": {"max_tokens": 48}}}
-             for i in range(4)]
+    calls = [
+        {
+            "name": f"w{i}",
+            "template": f"Worker {i} writes about {{{{input:t}}}}: {{{{output:p{i}}}}}",
+            "outputs": {f"p{i}": {"max_tokens": 48}},
+        }
+        for i in range(4)
+    ]
     parts = " ".join(f"{{{{input:p{i}}}}}" for i in range(4))
-    calls.append({"name": "merge", "template": f"Merge {parts} into {{{{output:m}}}}",
-                  "outputs": {"m": {"max_tokens": 8}}})
+    calls.append(
+        {
+            "name": "merge",
+            "template": f"Merge {parts} into {{{{output:m}}}}",
+            "outputs": {"m": {"max_tokens": 8}},
+        }
+    )
     return {"program": {"calls": calls}, "inputs": {"t": "parrots"}, "outputs": {"m": "latency"}}
 
 
 def value(url: str, run_id: str, name: str) -> str:
-    r = httpx.get(f"{url}/v1/runs/{run_id}/variables/{name}",
-                  params={"timeout": 120, "perf": "latency"}, timeout=130)
+    r = httpx.get(
+        f"{url}/v1/runs/{run_id}/variables/{name}",
+        params={"timeout": 120, "perf": "latency"},
+        timeout=130,
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body.get("status", "ready") == "ready", body
@@ -60,8 +83,19 @@ def test_remote_engines_share_prefixes_and_survive_an_engine_death(tiny_model_di
     url = serve.start()
     # the server tuned its garbage collector once start-up was over
     assert "generation-0 threshold 10000 (was " in serve.log.read_text()
-    procs = [EngineProcess(tiny_model_dir, tmp_path, "--manager", url, "--manager-key",
-                           OPERATOR_KEY, "--engine-id", eid) for eid in ("r1", "r2")]
+    procs = [
+        EngineProcess(
+            tiny_model_dir,
+            tmp_path,
+            "--manager",
+            url,
+            "--manager-key",
+            OPERATOR_KEY,
+            "--engine-id",
+            eid,
+        )
+        for eid in ("r1", "r2")
+    ]
     try:
         wait_for(lambda: engines(url) == {"r1", "r2"})
         # prefix locality: later runs with the same system prompt follow its holder

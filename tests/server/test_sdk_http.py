@@ -39,7 +39,8 @@ def paper_example(backend) -> tuple[str, str]:
 
 def test_http_backend_matches_the_in_process_backend(tiny_model_dir, tmp_path):
     local = InProcessBackend.threaded(
-        lambda: {"e0": Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)})
+        lambda: {"e0": Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)}
+    )
     try:
         want = paper_example(local)
     finally:

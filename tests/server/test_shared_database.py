@@ -52,8 +52,9 @@ def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
         kept = ready(detail(url_b, run_id))
         a.kill()  # mid-run
         assert kept and detail(url_b, run_id)["run"]["status"] in ("pending", "running")
-        r = httpx.get(f"{url_b}/v1/runs/{run_id}/variables/x6",
-                      params={"timeout": 120}, timeout=130)
+        r = httpx.get(
+            f"{url_b}/v1/runs/{run_id}/variables/x6", params={"timeout": 120}, timeout=130
+        )
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30  # the run ends just after its last value
         while detail(url_b, run_id)["run"]["status"] != "done" and time.monotonic() < deadline:
@@ -64,8 +65,9 @@ def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
         for name, (value, set_at) in kept.items():  # ready values were not recomputed
             assert ready(final)[name] == (value, set_at)
         again = httpx.post(f"{url_b}/v1/runs/{run_id}/replay", json={}, timeout=30).json()
-        r2 = httpx.get(f"{url_b}/v1/runs/{again['run_id']}/variables/x6",
-                       params={"timeout": 120}, timeout=130)
+        r2 = httpx.get(
+            f"{url_b}/v1/runs/{again['run_id']}/variables/x6", params={"timeout": 120}, timeout=130
+        )
         assert r2.json()["value"] == r.json()["value"]  # equal to an uninterrupted run
     finally:
         a.stop()

@@ -12,9 +12,18 @@ from parrot_backend.server.auth import key_tenant, parse_api_keys
 
 from .serve_process import Serve
 
-PROGRAM = {"program": {"calls": [{"name": "c", "template": "Hi {{input:x}} {{output:y}}",
-                                  "outputs": {"y": {"max_tokens": 2}}}]},
-           "inputs": {"x": "there"}}
+PROGRAM = {
+    "program": {
+        "calls": [
+            {
+                "name": "c",
+                "template": "Hi {{input:x}} {{output:y}}",
+                "outputs": {"y": {"max_tokens": 2}},
+            }
+        ]
+    },
+    "inputs": {"x": "there"},
+}
 
 
 def test_parsed_keys_do_not_depend_on_order():
@@ -34,13 +43,11 @@ def test_conflicting_or_empty_keys_are_refused(values):
 
 
 def _status(url: str, key: str, run_id: str) -> int:
-    r = httpx.get(f"{url}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {key}"},
-                  timeout=10)
+    r = httpx.get(f"{url}/v1/runs/{run_id}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
     return r.status_code
 
 
-def test_restarts_with_reordered_renamed_and_new_keys_keep_tenants_apart(tiny_model_dir,
-                                                                         tmp_path):
+def test_restarts_with_reordered_renamed_and_new_keys_keep_tenants_apart(tiny_model_dir, tmp_path):
     lives = [
         ["--api-key", "key-one", "--api-key", "key-two", "--api-key", "alice=alice-old"],
         ["--api-key", "key-two", "--api-key", "key-one", "--api-key", "alice=alice-new"],
@@ -53,8 +60,12 @@ def test_restarts_with_reordered_renamed_and_new_keys_keep_tenants_apart(tiny_mo
         url = serve.start()
         runs = {}
         for key in ("key-one", "alice-old"):
-            r = httpx.post(f"{url}/v1/runs", json=PROGRAM, timeout=30,
-                           headers={"Authorization": f"Bearer {key}"})
+            r = httpx.post(
+                f"{url}/v1/runs",
+                json=PROGRAM,
+                timeout=30,
+                headers={"Authorization": f"Bearer {key}"},
+            )
             assert r.status_code == 201, r.text
             runs[key] = r.json()["run_id"]
         assert _status(url, "key-two", runs["key-one"]) == 404

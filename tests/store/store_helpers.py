@@ -42,9 +42,7 @@ def pg_admin(sql: str) -> None:
 
 def chain_calls(n: int) -> list[dict]:
     """Descriptors of a chain x0 -> c0 -> x1 -> c1 -> ... -> xn."""
-    return [
-        {"name": f"c{i}", "inputs": [f"x{i}"], "outputs": [f"x{i + 1}"]} for i in range(n)
-    ]
+    return [{"name": f"c{i}", "inputs": [f"x{i}"], "outputs": [f"x{i + 1}"]} for i in range(n)]
 
 
 def fan_calls(n: int) -> list[dict]:

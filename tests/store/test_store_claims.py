@@ -32,7 +32,11 @@ def test_only_ready_calls_are_claimed_in_dag_order(store: Store, tenant: int) ->
     assert store.mark_call_started(first.call.id, "w", engine="e0") is True
     assert store.mark_call_first_token(first.call.id, "w") is True
     result = store.finish_call(
-        first.call.id, "w", {"x1": "b"}, prompt_tokens=5, completion_tokens=7,
+        first.call.id,
+        "w",
+        {"x1": "b"},
+        prompt_tokens=5,
+        completion_tokens=7,
         events=[("variable", {"name": "x1"})],
     )
     assert result.accepted and result.changed == ("x1",) and result.seqs == (1,)
@@ -40,7 +44,10 @@ def test_only_ready_calls_are_claimed_in_dag_order(store: Store, tenant: int) ->
     assert second.call.idx == 1 and second.input_values == {"x1": "b"}
     done = store.get_run(tenant, run).calls[0]
     assert (done.status, done.engine, done.prompt_tokens, done.completion_tokens) == (
-        "done", "e0", 5, 7,
+        "done",
+        "e0",
+        5,
+        7,
     )
     assert done.queued_at <= done.started_at <= done.first_token_at <= done.finished_at
 
@@ -191,8 +198,9 @@ def test_pg_claim_skips_rows_locked_by_another_claimer(store: Store, tenant: int
     assert rest.call.id == first_id
 
 
-def test_finish_call_records_first_token_and_keeps_an_earlier_one(store: Store,
-                                                                   tenant: int) -> None:
+def test_finish_call_records_first_token_and_keeps_an_earlier_one(
+    store: Store, tenant: int
+) -> None:
     run = store.create_run(tenant, {}, fan_calls(2), {"q": "?"}).run.id
     a, b = sorted(store.claim_calls("w", limit=2), key=lambda c: c.call.idx)
     first = utcnow() - timedelta(seconds=5)
@@ -210,8 +218,7 @@ def test_finish_call_records_first_token_and_keeps_an_earlier_one(store: Store,
     assert not store.finish_call(a.call.id, "w", {}).accepted  # already done
 
 
-def test_finish_call_rejects_foreign_outputs_and_writes_nothing(store: Store,
-                                                                tenant: int) -> None:
+def test_finish_call_rejects_foreign_outputs_and_writes_nothing(store: Store, tenant: int) -> None:
     run = store.create_run(tenant, {}, fan_calls(1), {"q": "?"}).run.id
     (c,) = store.claim_calls("w")
     with pytest.raises(InvalidRequestError):
@@ -228,8 +235,7 @@ def test_hold_call_claims_and_fences(store: Store, tenant: int) -> None:
     assert store.hold_call(call_id, "w2", events=[("started", {})]) is False  # w1 holds it
     assert store.hold_call(call_id, "w1", engine="e1") is True  # its holder may restart it
     held = store.get_run(tenant, run).calls[0]
-    assert (held.status, held.claimed_by, held.engine, held.attempts) == ("running", "w1",
-                                                                          "e1", 2)
+    assert (held.status, held.claimed_by, held.engine, held.attempts) == ("running", "w1", "e1", 2)
     assert [e.type for e in store.read_events(tenant, run)] == ["started"]
     assert store.hold_call(10**9, "w1") is False
 
@@ -264,8 +270,9 @@ def test_set_variables_checks_tenant_and_takes_new_names_on_open_runs(store: Sto
     with pytest.raises(NotFoundError):
         store.set_variables(run, {"q": "forged"}, tenant_id=b.id)
     assert store.get_variable(a.id, run, "q").status == "pending"
-    assert store.set_variables(run, {"late": "1", "q": "?"}, tenant_id=a.id,
-                               events=[("set", {})]) == ["late", "q"]
+    assert store.set_variables(
+        run, {"late": "1", "q": "?"}, tenant_id=a.id, events=[("set", {})]
+    ) == ["late", "q"]
     assert store.set_variables(run, {"late": "2", "q": "!"}, events=[("set", {})]) == []
     assert store.get_variable(a.id, run, "late").value == "1"
     assert [e.type for e in store.read_events(a.id, run)] == ["set"]
@@ -273,8 +280,9 @@ def test_set_variables_checks_tenant_and_takes_new_names_on_open_runs(store: Sto
         store.set_variables("no-such-run", {"q": "x"})
 
 
-def test_settle_calls_records_lost_ends_of_calls_whose_outputs_are_set(store: Store,
-                                                                       tenant: int) -> None:
+def test_settle_calls_records_lost_ends_of_calls_whose_outputs_are_set(
+    store: Store, tenant: int
+) -> None:
     run = store.create_run(tenant, {}, fan_calls(3), {"q": "?"}).run.id
     ids = [c.id for c in store.get_run(tenant, run).calls]
     assert store.hold_call(ids[0], "w1")  # a0 set, end lost; the claim is w1's own
@@ -284,7 +292,8 @@ def test_settle_calls_records_lost_ends_of_calls_whose_outputs_are_set(store: St
     calls = store.get_run(tenant, run).calls
     assert [c.status for c in calls] == ["done", "running", "pending"]  # f2: a2 not set
     assert [e.payload for e in store.read_events(tenant, run)] == [
-        {"call": "f0", "recovered": True}]
+        {"call": "f0", "recovered": True}
+    ]
     assert store.settle_calls(run, "w1") == []  # nothing left to settle
 
 
@@ -295,8 +304,7 @@ def test_batch_without_savepoints_is_all_or_nothing(store: Store, tenant: int) -
         assert store.hold_call(ids[0], "w", events=[("started", {})])
         assert store.set_variables(run, {"a0": "x"}, events=[("ready", {})]) == ["a0"]
     assert [e.type for e in store.read_events(tenant, run)] == ["started", "ready"]
-    with pytest.raises(RuntimeError, match="nothing was written"), \
-            store.batch(savepoints=False):
+    with pytest.raises(RuntimeError, match="nothing was written"), store.batch(savepoints=False):
         assert store.hold_call(ids[1], "w", events=[("started", {})])
         with pytest.raises(NotFoundError):  # caught, but the batch is spoiled
             store.set_variables(run, {"nope": "v"})

@@ -59,12 +59,15 @@ def test_create_run_builds_variables_calls_and_detail(store: Store, tenant: int)
     detail = store.create_run(tenant, PROGRAM, calls, {"x0": "hello"}, {"x2": "latency"})
     assert detail.run.status == "pending" and detail.run.objectives == {"x2": "latency"}
     assert {n: v.status for n, v in detail.variables.items()} == {
-        "x0": "ready", "x1": "pending", "x2": "pending",
+        "x0": "ready",
+        "x1": "pending",
+        "x2": "pending",
     }
     assert detail.variables["x0"].value == "hello" and detail.variables["x0"].producer_call is None
     assert detail.variables["x2"].producer_call == 1
     assert [(c.idx, c.inputs, c.outputs, c.status) for c in detail.calls] == [
-        (0, ("x0",), ("x1",), "pending"), (1, ("x1",), ("x2",), "pending"),
+        (0, ("x0",), ("x1",), "pending"),
+        (1, ("x1",), ("x2",), "pending"),
     ]
     assert detail.task_groups == {"g1": [1]}
     again = store.get_run(tenant, detail.run.id)

@@ -168,7 +168,7 @@ def test_newer_schema_and_foreign_tables_refused_pg(pg_fresh_schema: URL) -> Non
     engine.dispose()
 
 
-NEXT_REVISION = '''
+NEXT_REVISION = """
 from alembic import op
 import sqlalchemy as sa
 
@@ -184,7 +184,7 @@ def upgrade():
 
 def downgrade():
     op.drop_table("extra_things")
-'''
+"""
 
 
 def install_newer_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -193,7 +193,8 @@ def install_newer_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     shutil.copytree(schema_mod.MIGRATIONS, migrations, ignore=shutil.ignore_patterns("__pycache__"))
     current = head_revision()
     (migrations / "versions" / "9999_test_extra.py").write_text(
-        NEXT_REVISION.replace("{down}", current))
+        NEXT_REVISION.replace("{down}", current)
+    )
     monkeypatch.setattr(schema_mod, "MIGRATIONS", migrations)
     return "9999_test_extra"
 

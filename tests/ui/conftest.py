@@ -19,12 +19,20 @@ CHROMIUM = "/usr/bin/chromium"
 # What the environment needs: no sandbox as root, no GPU, and no background traffic to
 # hosts this closed network refuses.
 LAUNCH_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--disable-dev-shm-usage",
 ]
-ARTIFACTS = Path(os.environ.get("PARROT_UI_ARTIFACTS",
-                                Path(__file__).resolve().parents[2] / "build" / "ui-artifacts"))
+ARTIFACTS = Path(
+    os.environ.get(
+        "PARROT_UI_ARTIFACTS", Path(__file__).resolve().parents[2] / "build" / "ui-artifacts"
+    )
+)
 
 
 def _install_chromium() -> str | None:
@@ -50,8 +58,10 @@ def chromium_path() -> str:
     if not os.path.exists(CHROMIUM):
         why = _install_chromium()
         if why is not None or not os.path.exists(CHROMIUM):
-            pytest.skip(f"browser tests need Debian's chromium at {CHROMIUM}, and it could "
-                        f"not be installed: {why or 'apt-get put nothing there'}")
+            pytest.skip(
+                f"browser tests need Debian's chromium at {CHROMIUM}, and it could "
+                f"not be installed: {why or 'apt-get put nothing there'}"
+            )
     return CHROMIUM
 
 
@@ -61,11 +71,11 @@ def browser(chromium_path) -> Iterator:
     session: while Playwright's sync API runs, its event loop is the thread's running
     loop, and pytest-asyncio's tests after these would fail to start theirs."""
     sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright for Python is not installed (the [test] "
-        "extra installs it)")
+        "playwright.sync_api",
+        reason="playwright for Python is not installed (the [test] extra installs it)",
+    )
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path, headless=True,
-                                     args=LAUNCH_ARGS)
+        browser = pw.chromium.launch(executable_path=chromium_path, headless=True, args=LAUNCH_ARGS)
         try:
             yield browser
         finally:
@@ -81,9 +91,14 @@ def page(browser, request) -> Iterator:
     page.set_default_timeout(30_000)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
-    page.on("console", lambda msg: errors.append(f"console {msg.type}: {msg.text}")
-            if msg.type == "error" and "net::" not in msg.text
-            and "401" not in msg.text else None)
+    page.on(
+        "console",
+        lambda msg: (
+            errors.append(f"console {msg.type}: {msg.text}")
+            if msg.type == "error" and "net::" not in msg.text and "401" not in msg.text
+            else None
+        ),
+    )
     page.console_errors = errors
     yield page
     failed = getattr(request.node, "rep_call", None)

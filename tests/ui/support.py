@@ -36,6 +36,7 @@ def reply_for(length: int | None = None):
     """A deterministic reply: the last words the call was asked (so values show where
     they came from and a replay equals its run); `length` repeats it to that many
     characters (one token each on the scripted engine)."""
+
     def reply(prompt: str) -> str:
         asked = prompt.rsplit("<|im_start|>assistant", 1)[0]
         words = _MARKUP.sub(" ", asked).split()
@@ -44,6 +45,7 @@ def reply_for(length: int | None = None):
             text = (text + " ") * (length // (len(text) + 1) + 1)
             text = text[:length]
         return text
+
     return reply
 
 
@@ -57,8 +59,7 @@ class PacedEngine(ScriptedEngine):
 
     def generate(self, context_id, parent_id, sampling, *, salt=None, priority=0):
         """The scripted stream, `delay_s` before each token."""
-        inner = super().generate(context_id, parent_id, sampling, salt=salt,
-                                 priority=priority)
+        inner = super().generate(context_id, parent_id, sampling, salt=salt, priority=priority)
         return self._paced(inner)
 
     async def _paced(self, inner: AsyncIterator) -> AsyncIterator:
@@ -86,14 +87,21 @@ class LiveApp:
         self.engine = PacedEngine(reply=reply_for(), record=False)
         self.store = Store(f"sqlite:///{data_dir / 'parrot.db'}")
         self.runtime = NativeRuntime(self.store, {"e0": self.engine}, worker="ui-test")
-        settings = ServerSettings(api_keys=dict(api_keys or {}),
-                                  key_lookup=self.runtime.key_lookup if api_keys else None,
-                                  sse_ping_s=5)
+        settings = ServerSettings(
+            api_keys=dict(api_keys or {}),
+            key_lookup=self.runtime.key_lookup if api_keys else None,
+            sse_ping_s=5,
+        )
         self.app = create_app(self.engine, settings=settings, native=self.runtime)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -170,7 +178,7 @@ class CutProxy:
                 at = chunk.find(b"event: token") if down and fired is not None else -1
                 if at >= 0:
                     # half an event reaches the browser (its id line, not its end)
-                    dst.sendall(chunk[:at + len(b"event: tok")])
+                    dst.sendall(chunk[: at + len(b"event: tok")])
                     self._mid_event = None
                     self.cut()
                     fired.set()

@@ -34,9 +34,19 @@ from .support import CutProxy, live_app, reply_for
 KEYS = {"sk-ui-alice": "alice", "sk-ui-bob": "bob"}
 ALICE = {"Authorization": "Bearer sk-ui-alice"}
 BOB = {"Authorization": "Bearer sk-ui-bob"}
-RUN = {"program": {"calls": [{"name": "say", "template": "Say {{input:w}}: {{output:out}}",
-                              "outputs": {"out": {"max_tokens": 12}}}]},
-       "inputs": {"w": "hi"}, "outputs": {"out": "latency"}}
+RUN = {
+    "program": {
+        "calls": [
+            {
+                "name": "say",
+                "template": "Say {{input:w}}: {{output:out}}",
+                "outputs": {"out": {"max_tokens": 12}},
+            }
+        ]
+    },
+    "inputs": {"w": "hi"},
+    "outputs": {"out": "latency"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +60,9 @@ def _run(app, headers=ALICE) -> str:
     r = httpx.post(f"{app.url}/v1/runs", json=RUN, headers=headers, timeout=30)
     assert r.status_code == 201, r.text
     run_id = r.json()["run_id"]
-    v = httpx.get(f"{app.url}/v1/runs/{run_id}/variables/out?timeout=30", headers=headers,
-                  timeout=40)
+    v = httpx.get(
+        f"{app.url}/v1/runs/{run_id}/variables/out?timeout=30", headers=headers, timeout=40
+    )
     assert v.json()["status"] == "ready"
     return run_id
 
@@ -62,16 +73,25 @@ def _grant(app, run_id: str, headers=ALICE) -> httpx.Response:
 
 def _events(app, run_id: str, token: str) -> httpx.Response:
     """The events route with the grant as the only credential (as EventSource sends it)."""
-    return httpx.get(f"{app.url}/v1/runs/{run_id}/events",
-                     headers={"Cookie": f"{GRANT_COOKIE}={token}".encode()}, timeout=30)
+    return httpx.get(
+        f"{app.url}/v1/runs/{run_id}/events",
+        headers={"Cookie": f"{GRANT_COOKIE}={token}".encode()},
+        timeout=30,
+    )
 
 
 def test_page_asks_for_a_key_rejects_a_wrong_one_and_streams_with_the_right_one(page, app):
     urls: list[str] = []
     page.on("request", lambda req: urls.append(req.url))
     events_auth: list[str | None] = []
-    page.on("request", lambda req: events_auth.append(req.headers.get("authorization"))
-            if req.url.split("?")[0].endswith("/events") else None)
+    page.on(
+        "request",
+        lambda req: (
+            events_auth.append(req.headers.get("authorization"))
+            if req.url.split("?")[0].endswith("/events")
+            else None
+        ),
+    )
     open_page(page, app.url)
     assert page.get_attribute("body", "data-auth") == "needed"
     assert page.is_visible("#api-key")
@@ -119,16 +139,24 @@ def test_stream_with_auth_resumes_after_offline_with_a_fresh_grant(page, app):
     app.engine.reply = reply_for(length=300)
     proxy = CutProxy(app.port)
     grants: list[int] = []
-    page.on("response", lambda r: grants.append(r.status)
-            if r.url.endswith("/events/grant") else None)
+    page.on(
+        "response", lambda r: grants.append(r.status) if r.url.endswith("/events/grant") else None
+    )
     try:
         open_page(page, proxy.url)
         page.fill("#api-key", "sk-ui-alice")
         page.click("#auth button[type=submit]")
         page.wait_for_selector("body[data-auth=accepted]")
-        spec = {"program": {"calls": [chat_call("one", "About {{input:w}}.", "a", 100),
-                                      chat_call("two", "After {{input:a}}.", "b", 100)]},
-                "inputs": {"w": "birds"}, "outputs": {"b": "latency"}}
+        spec = {
+            "program": {
+                "calls": [
+                    chat_call("one", "About {{input:w}}.", "a", 100),
+                    chat_call("two", "After {{input:a}}.", "b", 100),
+                ]
+            },
+            "inputs": {"w": "birds"},
+            "outputs": {"b": "latency"},
+        }
         run_id = start_run(page, spec)
         page.wait_for_function("() => parrotUI.stream.stats.tokens >= 30")
         page.context.set_offline(True)
@@ -179,11 +207,14 @@ def test_grant_opens_only_the_events_route_of_its_run(app):
     token = _grant(app, run_id).cookies[GRANT_COOKIE]
     cookie = {"Cookie": f"{GRANT_COOKIE}={token}"}
     assert _events(app, other_id, token).status_code == 401  # alice's other run: no
-    for method, path in (("GET", f"/v1/runs/{run_id}"), ("GET", "/v1/runs"),
-                         ("POST", f"/v1/runs/{run_id}/replay"),
-                         ("POST", f"/v1/runs/{run_id}/cancel"),
-                         ("POST", f"/v1/runs/{run_id}/events/grant"),
-                         ("GET", f"/v1/runs/{run_id}/variables/out")):
+    for method, path in (
+        ("GET", f"/v1/runs/{run_id}"),
+        ("GET", "/v1/runs"),
+        ("POST", f"/v1/runs/{run_id}/replay"),
+        ("POST", f"/v1/runs/{run_id}/cancel"),
+        ("POST", f"/v1/runs/{run_id}/events/grant"),
+        ("GET", f"/v1/runs/{run_id}/variables/out"),
+    ):
         r = httpx.request(method, app.url + path, headers=cookie, timeout=30)
         assert r.status_code == 401, (method, path)
     # not with a method other than GET either
@@ -218,8 +249,19 @@ def test_grant_tokens_verify_only_unaltered_unexpired_and_for_their_run():
     assert events_grant_tenant(key, token, other, now=1000.0) is None
     assert events_grant_tenant(grant_key(b"other"), token, run, now=1000.0) is None
     body, sig = token.split(".")
-    for bad in (None, "", "x", "a.b.c", "%%%.%%%", token.upper(), "." + sig, f"{body}.é",
-                f"é.{sig}", f"{body}.\udcff", "x" * 3000 + "." + sig):
+    for bad in (
+        None,
+        "",
+        "x",
+        "a.b.c",
+        "%%%.%%%",
+        token.upper(),
+        "." + sig,
+        f"{body}.é",
+        f"é.{sig}",
+        f"{body}.\udcff",
+        "x" * 3000 + "." + sig,
+    ):
         assert events_grant_tenant(key, bad, run, now=1000.0) is None
 
 
@@ -232,14 +274,20 @@ def test_page_and_its_files_are_open_everything_else_stays_closed(app):
     assert "script-src 'self'" in page.headers["content-security-policy"]
     slash = httpx.get(app.url + "/ui/", timeout=10)
     assert slash.status_code == 307 and slash.headers["location"].endswith("/ui")
-    for path in ("/uix", "/ui/other", "/ui/static", "/v1/runs", "/metrics",
-                 "/ui/static/../../v1/runs", "/ui/static/%2e%2e/%2e%2e/v1/runs"):
+    for path in (
+        "/uix",
+        "/ui/other",
+        "/ui/static",
+        "/v1/runs",
+        "/metrics",
+        "/ui/static/../../v1/runs",
+        "/ui/static/%2e%2e/%2e%2e/v1/runs",
+    ):
         r = httpx.get(app.url + path, timeout=10)
         assert r.status_code in (401, 404), (path, r.status_code)
     # a path that climbs out of the static folder, sent as it is (clients normalize it)
     with socket.create_connection(("127.0.0.1", app.port), timeout=10) as s:
-        s.sendall(b"GET /ui/static/../../v1/runs HTTP/1.1\r\nHost: x\r\n"
-                  b"Connection: close\r\n\r\n")
+        s.sendall(b"GET /ui/static/../../v1/runs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         answer = b""
         while chunk := s.recv(65536):
             answer += chunk

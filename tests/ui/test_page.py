@@ -66,8 +66,9 @@ def test_example_run_streams_tokens_into_the_page_and_ends_with_the_apis_values(
     open_page(page, app.url)
     page.select_option("#example", "map-reduce")
     page.click("#run")
-    page.wait_for_function("() => parrotUI.stream && parrotUI.stream.stats.tokens > 0 && "
-                           "!parrotUI.stream.closed")  # seen live, before the end
+    page.wait_for_function(
+        "() => parrotUI.stream && parrotUI.stream.stats.tokens > 0 && !parrotUI.stream.closed"
+    )  # seen live, before the end
     snap = wait_finished(page)
     run_id = snap["runId"]
     detail = api_detail(app.url, run_id)
@@ -87,21 +88,24 @@ def test_example_run_streams_tokens_into_the_page_and_ends_with_the_apis_values(
     # system prompt (a static prefix), the reduce apart
     assert snap["dag"] == dict.fromkeys(["map1", "map2", "map3", "map4", "reduce"], "done")
     prefixes = page.eval_on_selector_all(
-        "#dag g.call", "gs => Object.fromEntries(gs.map(g => [g.dataset.call, "
-        "g.dataset.prefix || null]))")
-    assert prefixes == {"map1": "P1", "map2": "P1", "map3": "P1", "map4": "P1",
-                        "reduce": None}
+        "#dag g.call",
+        "gs => Object.fromEntries(gs.map(g => [g.dataset.call, g.dataset.prefix || null]))",
+    )
+    assert prefixes == {"map1": "P1", "map2": "P1", "map3": "P1", "map4": "P1", "reduce": None}
     assert "shared static prefix" in page.inner_text("#prefix-legend")
     groups = {c["task_group"] for c in detail["calls"] if c["name"].startswith("map")}
     assert len(groups) == 1 and None not in groups
     assert f"group {groups.pop()}" in page.text_content("#dag g[data-call=map1]")
     assert "e0" in page.text_content("#dag g[data-call=reduce]")
     # the timeline: a row per call, with the three phases of a call that ran
-    rows = page.eval_on_selector_all("#timeline .tl-row", "rs => rs.map(r => [r.dataset.call, "
-                                     "r.querySelectorAll('.tl-bar').length])")
+    rows = page.eval_on_selector_all(
+        "#timeline .tl-row",
+        "rs => rs.map(r => [r.dataset.call, r.querySelectorAll('.tl-bar').length])",
+    )
     assert rows == [[name, 3] for name in ("map1", "map2", "map3", "map4", "reduce")]
-    history = page.eval_on_selector_all("#history .history-item",
-                                        "bs => bs.map(b => b.dataset.runId)")
+    history = page.eval_on_selector_all(
+        "#history .history-item", "bs => bs.map(b => b.dataset.runId)"
+    )
     assert run_id in history
     save_screenshot(page, "run-map-reduce")
     assert page.console_errors == []
@@ -110,8 +114,11 @@ def test_example_run_streams_tokens_into_the_page_and_ends_with_the_apis_values(
 def test_pasted_templates_get_input_fields_and_run(page, app):
     open_page(page, app.url)
     page.select_option("#example", "")
-    page.fill("#program-text", "Topic: {{input:topic}}. Title: {{output:title}}\n---\n"
-                               "Write about {{input:title}}: {{output:text}}")
+    page.fill(
+        "#program-text",
+        "Topic: {{input:topic}}. Title: {{output:title}}\n---\n"
+        "Write about {{input:title}}: {{output:text}}",
+    )
     page.wait_for_selector("#inputs textarea[data-input=topic]")
     assert page.eval_on_selector_all("#inputs textarea", "ts => ts.length") == 1
     page.fill("#inputs textarea[data-input=topic]", "parrot beaks")
@@ -136,18 +143,25 @@ def test_bad_program_shows_the_servers_error(page, app):
     page.wait_for_selector("#program-error:text('generates nothing')")
     page.fill("#program-text", json.dumps({"calls": [{"template": "{{output:x}} {{input:x}}"}]}))
     page.click("#run")
-    page.wait_for_function("() => document.querySelector('#program-error').textContent"
-                           ".includes('x')")
+    page.wait_for_function(
+        "() => document.querySelector('#program-error').textContent.includes('x')"
+    )
     assert page.inner_text("#run-id") == "–"
 
 
 def _long_chain() -> dict:
     """Three chat calls in a chain, 120 tokens each: a few seconds at 10 ms a token."""
-    return {"program": {"calls": [
-        chat_call("first", "Start about {{input:seed}}.", "a", 120),
-        chat_call("second", "Go on from {{input:a}}.", "b", 120),
-        chat_call("third", "End after {{input:b}}.", "c", 120)]},
-        "inputs": {"seed": "parrots"}, "outputs": {"c": "latency"}}
+    return {
+        "program": {
+            "calls": [
+                chat_call("first", "Start about {{input:seed}}.", "a", 120),
+                chat_call("second", "Go on from {{input:a}}.", "b", 120),
+                chat_call("third", "End after {{input:b}}.", "c", 120),
+            ]
+        },
+        "inputs": {"seed": "parrots"},
+        "outputs": {"c": "latency"},
+    }
 
 
 def test_stream_resumes_after_network_cuts_with_no_token_lost_or_repeated(page, app):
@@ -165,9 +179,11 @@ def test_stream_resumes_after_network_cuts_with_no_token_lost_or_repeated(page, 
         proxy.block()
         proxy.cut_mid_event()
         at_cut = page.evaluate("() => parrotUI.stream.stats.tokens")
-        page.wait_for_function("() => parrotUI.stream.stats.tokens === "
-                               f"{at_cut} && document.querySelector('#stream-state')"
-                               ".dataset.state === 'reconnecting'")
+        page.wait_for_function(
+            "() => parrotUI.stream.stats.tokens === "
+            f"{at_cut} && document.querySelector('#stream-state')"
+            ".dataset.state === 'reconnecting'"
+        )
         time.sleep(1.5)  # the run goes on while the page is cut off
         during = page.evaluate("() => parrotUI.stream.stats.tokens")
         page_seq = page.evaluate("() => parrotUI.stream.lastSeq")
@@ -181,12 +197,19 @@ def test_stream_resumes_after_network_cuts_with_no_token_lost_or_repeated(page, 
     events = api_events(app.url, run_id)
     tokens = [e for e in events if e["event"] == "token"]
     stats = snap["stream"]
-    counts = {"tokens_total": len(tokens), "page_tokens": stats["tokens"],
-              "page_tokens_at_first_cut": at_cut, "page_last_event_during_outage": page_seq,
-              "server_last_event_during_outage": server_seq,
-              "events_total": len(events), "page_events": stats["events"],
-              "duplicates": stats["duplicates"], "missing": stats["missing"],
-              "reconnects": stats["reconnects"], "refused_while_blocked": proxy.refused}
+    counts = {
+        "tokens_total": len(tokens),
+        "page_tokens": stats["tokens"],
+        "page_tokens_at_first_cut": at_cut,
+        "page_last_event_during_outage": page_seq,
+        "server_last_event_during_outage": server_seq,
+        "events_total": len(events),
+        "page_events": stats["events"],
+        "duplicates": stats["duplicates"],
+        "missing": stats["missing"],
+        "reconnects": stats["reconnects"],
+        "refused_while_blocked": proxy.refused,
+    }
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "resume-counts.json").write_text(json.dumps(counts, indent=2))
     print("resume counts:", counts)
@@ -205,17 +228,35 @@ def test_stream_resumes_after_network_cuts_with_no_token_lost_or_repeated(page, 
 
 
 def test_history_filters_opens_a_stored_run_and_replays_it(page, app):
-    spec = {"program": {"calls": [
-        chat_call("ask", "Name a bird from {{input:place}}.", "bird", 30),
-        chat_call("tell", "One fact about {{input:bird}}.", "fact", 40)]},
-        "inputs": {"place": "Peru"}, "outputs": {"fact": "latency"}}
+    spec = {
+        "program": {
+            "calls": [
+                chat_call("ask", "Name a bird from {{input:place}}.", "bird", 30),
+                chat_call("tell", "One fact about {{input:bird}}.", "fact", 40),
+            ]
+        },
+        "inputs": {"place": "Peru"},
+        "outputs": {"fact": "latency"},
+    }
     r = httpx.post(f"{app.url}/v1/runs", json=spec, timeout=30)
     run_id = r.json()["run_id"]
     fact = httpx.get(f"{app.url}/v1/runs/{run_id}/variables/fact?timeout=30", timeout=40)
     assert fact.json()["status"] == "ready"
-    failed = httpx.post(f"{app.url}/v1/runs", timeout=30, json={
-        "program": {"calls": [{"name": "bad", "template": "x {{output:y}}",
-                               "outputs": {"y": {"max_tokens": 5}}}]}})
+    failed = httpx.post(
+        f"{app.url}/v1/runs",
+        timeout=30,
+        json={
+            "program": {
+                "calls": [
+                    {
+                        "name": "bad",
+                        "template": "x {{output:y}}",
+                        "outputs": {"y": {"max_tokens": 5}},
+                    }
+                ]
+            }
+        },
+    )
     failed_id = failed.json()["run_id"]
     app.engine.fail_if = lambda prompt: prompt.startswith("x ")
     try:
@@ -251,24 +292,45 @@ def test_history_filters_opens_a_stored_run_and_replays_it(page, app):
     assert page.get_attribute("#variables [data-variable=y]", "data-status") == "failed"
 
 
-DONE_FAILED = ("() => document.querySelector('#run-status').dataset.status === 'failed' && "
-               "parrotUI.stream.closed")
+DONE_FAILED = (
+    "() => document.querySelector('#run-status').dataset.status === 'failed' && "
+    "parrotUI.stream.closed"
+)
 
 
 def _fan_out(n_calls: int, tokens_per_call: int) -> dict:
     """One call, n-2 readers of its output (a shared generated prefix), one reducer."""
     mappers = n_calls - 2
-    calls = [{"name": "root", "template": "Theme {{input:theme}}: {{output:topic}}",
-              "outputs": {"topic": {"max_tokens": tokens_per_call}}}]
-    calls += [{"name": f"m{i}", "template": "Shared instructions for every mapper. Topic: "
-               f"{{{{input:topic}}}} Part {i}: {{{{output:part{i}}}}}",
-               "outputs": {f"part{i}": {"max_tokens": tokens_per_call}}}
-              for i in range(mappers)]
-    calls.append({"name": "reduce", "template": "Join: " + " ".join(
-        f"{{{{input:part{i}}}}}" for i in range(mappers)) + " Result: {{output:result}}",
-        "outputs": {"result": {"max_tokens": tokens_per_call}}})
-    return {"program": {"calls": calls}, "inputs": {"theme": "parrots"},
-            "outputs": {"result": "latency"}}
+    calls = [
+        {
+            "name": "root",
+            "template": "Theme {{input:theme}}: {{output:topic}}",
+            "outputs": {"topic": {"max_tokens": tokens_per_call}},
+        }
+    ]
+    calls += [
+        {
+            "name": f"m{i}",
+            "template": "Shared instructions for every mapper. Topic: "
+            f"{{{{input:topic}}}} Part {i}: {{{{output:part{i}}}}}",
+            "outputs": {f"part{i}": {"max_tokens": tokens_per_call}},
+        }
+        for i in range(mappers)
+    ]
+    calls.append(
+        {
+            "name": "reduce",
+            "template": "Join: "
+            + " ".join(f"{{{{input:part{i}}}}}" for i in range(mappers))
+            + " Result: {{output:result}}",
+            "outputs": {"result": {"max_tokens": tokens_per_call}},
+        }
+    )
+    return {
+        "program": {"calls": calls},
+        "inputs": {"theme": "parrots"},
+        "outputs": {"result": "latency"},
+    }
 
 
 def test_50_calls_and_10k_tokens_cost_constant_work_per_token(page, app):
@@ -293,25 +355,35 @@ def test_50_calls_and_10k_tokens_cost_constant_work_per_token(page, app):
     assert all(snap["variables"][n]["streamed"] == v for n, v in values.items())
     assert set(snap["dag"].values()) == {"done"}
     # one text node per variable, however many tokens it got
-    text_nodes = page.eval_on_selector_all("#variables pre.value",
-                                           "ps => ps.map(p => p.childNodes.length)")
+    text_nodes = page.eval_on_selector_all(
+        "#variables pre.value", "ps => ps.map(p => p.childNodes.length)"
+    )
     assert text_nodes == [1] * 51  # 50 outputs and the input
     # streaming 10k tokens added no elements: only the timeline's rows (one per call)
     timeline = page.eval_on_selector_all("#timeline *", "es => es.length")
     assert perf["domNodes"] - nodes_drawn <= timeline
     stream = perf["stream"]
     report = {
-        "calls": 50, "tokens": snap["stream"]["tokens"], "events": stream["events"],
-        "dom_elements": {"before_run": nodes_before, "dag_drawn": nodes_drawn,
-                         "after_10k_tokens": perf["domNodes"]},
-        "event_handling_ms": {"mean": stream["handlerTotalMs"] / stream["handlerCount"],
-                              "max": stream["handlerMaxMs"],
-                              "total": stream["handlerTotalMs"]},
-        "token_flush_per_frame_ms": {"frames": perf["flush"]["flushes"],
-                                     "mean": perf["flush"]["flushTotalMs"]
-                                     / max(1, perf["flush"]["flushes"]),
-                                     "max": perf["flush"]["flushMaxMs"]},
-        "frame_gap_ms": perf["frames"], "long_tasks": perf["longTasks"],
+        "calls": 50,
+        "tokens": snap["stream"]["tokens"],
+        "events": stream["events"],
+        "dom_elements": {
+            "before_run": nodes_before,
+            "dag_drawn": nodes_drawn,
+            "after_10k_tokens": perf["domNodes"],
+        },
+        "event_handling_ms": {
+            "mean": stream["handlerTotalMs"] / stream["handlerCount"],
+            "max": stream["handlerMaxMs"],
+            "total": stream["handlerTotalMs"],
+        },
+        "token_flush_per_frame_ms": {
+            "frames": perf["flush"]["flushes"],
+            "mean": perf["flush"]["flushTotalMs"] / max(1, perf["flush"]["flushes"]),
+            "max": perf["flush"]["flushMaxMs"],
+        },
+        "frame_gap_ms": perf["frames"],
+        "long_tasks": perf["longTasks"],
     }
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "big-run-perf.json").write_text(json.dumps(report, indent=2))
@@ -320,24 +392,45 @@ def test_50_calls_and_10k_tokens_cost_constant_work_per_token(page, app):
 
 
 def test_open_run_grows_on_the_page_as_calls_and_inputs_arrive(page, app):
-    first = {"name": "draft", "template": "Draft on {{input:topic}}: {{output:draft}}",
-             "outputs": {"draft": {"max_tokens": 20}}}
-    r = httpx.post(f"{app.url}/v1/runs", timeout=30, json={
-        "program": {"calls": [first]}, "inputs": {"topic": "wings"}, "open": True,
-        "outputs": {"draft": "latency"}})
+    first = {
+        "name": "draft",
+        "template": "Draft on {{input:topic}}: {{output:draft}}",
+        "outputs": {"draft": {"max_tokens": 20}},
+    }
+    r = httpx.post(
+        f"{app.url}/v1/runs",
+        timeout=30,
+        json={
+            "program": {"calls": [first]},
+            "inputs": {"topic": "wings"},
+            "open": True,
+            "outputs": {"draft": "latency"},
+        },
+    )
     run_id = r.json()["run_id"]
     open_page(page, app.url)
     page.evaluate(f"() => parrotUI.openRun('{run_id}')")
     page.wait_for_selector("#dag g[data-call=draft][data-state=done]")
-    added = {"name": "polish", "template": "Polish {{input:draft}} for {{input:reader}}: "
-             "{{output:final}}", "outputs": {"final": {"max_tokens": 20}}}
-    assert httpx.post(f"{app.url}/v1/runs/{run_id}/calls", json={"calls": [added]},
-                      timeout=30).status_code == 200
+    added = {
+        "name": "polish",
+        "template": "Polish {{input:draft}} for {{input:reader}}: {{output:final}}",
+        "outputs": {"final": {"max_tokens": 20}},
+    }
+    assert (
+        httpx.post(
+            f"{app.url}/v1/runs/{run_id}/calls", json={"calls": [added]}, timeout=30
+        ).status_code
+        == 200
+    )
     page.wait_for_selector("#dag g[data-call=polish][data-state=queued]")
     # the call drawn before keeps its state when the DAG is drawn again
     assert page.get_attribute("#dag g[data-call=draft]", "data-state") == "done"
-    assert httpx.put(f"{app.url}/v1/runs/{run_id}/variables/reader", json={"value": "kids"},
-                     timeout=30).status_code == 200
+    assert (
+        httpx.put(
+            f"{app.url}/v1/runs/{run_id}/variables/reader", json={"value": "kids"}, timeout=30
+        ).status_code
+        == 200
+    )
     assert httpx.post(f"{app.url}/v1/runs/{run_id}/close", timeout=30).status_code == 200
     snap = wait_finished(page)
     values = api_values(api_detail(app.url, run_id))

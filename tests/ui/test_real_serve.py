@@ -37,13 +37,14 @@ def test_example_runs_end_to_end_on_a_real_serve(page, serve):
         snap = wait_finished(page, timeout_ms=180_000)
     except Exception as exc:  # say where it stood: the page's view and the server's log
         state = page.evaluate("() => parrotUI.snapshot()")
-        raise AssertionError(f"the run did not finish on the page: {state}\n"
-                             f"serve log:\n{serve.log.read_text()[-3000:]}") from exc
+        raise AssertionError(
+            f"the run did not finish on the page: {state}\n"
+            f"serve log:\n{serve.log.read_text()[-3000:]}"
+        ) from exc
     detail = api_detail(serve.url, snap["runId"])
     values = api_values(detail)
     assert detail["run"]["status"] == "done" and snap["status"] == "done"
-    assert set(values) == {"question", "optimist_view", "skeptic_view", "engineer_view",
-                           "verdict"}
+    assert set(values) == {"question", "optimist_view", "skeptic_view", "engineer_view", "verdict"}
     streamed = streamed_by_variable(api_events(serve.url, snap["runId"]))
     for name, value in values.items():
         assert snap["variables"][name]["shown"] == value, name
@@ -51,7 +52,8 @@ def test_example_runs_end_to_end_on_a_real_serve(page, serve):
     assert set(snap["dag"].values()) == {"done"}
     # the three agents read the question the host generated: one shared dynamic prefix
     marks = page.eval_on_selector_all(
-        "#dag g.call[data-prefix]", "gs => gs.map(g => [g.dataset.call, g.dataset.prefix])")
+        "#dag g.call[data-prefix]", "gs => gs.map(g => [g.dataset.call, g.dataset.prefix])"
+    )
     assert sorted(marks) == [["engineer", "P1"], ["optimist", "P1"], ["skeptic", "P1"]]
     assert "{{input:question}}" in page.inner_text("#prefix-legend")
     save_screenshot(page, "real-serve-multi-agent")

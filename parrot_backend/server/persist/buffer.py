@@ -74,17 +74,21 @@ class WriteBuffer:
 
     def _finish_args(self, meta: RunMeta, call: str) -> dict[str, Any]:
         """`Store.finish_call` arguments for a call that ended now."""
-        return {"call_id": meta.call_ids[call], "worker": self.worker, "outputs": {},
-                "completion_tokens": meta.counts.get(call, 0),
-                "first_token_at": meta.first_token.pop(call, None), "now": utcnow()}
+        return {
+            "call_id": meta.call_ids[call],
+            "worker": self.worker,
+            "outputs": {},
+            "completion_tokens": meta.counts.get(call, 0),
+            "first_token_at": meta.first_token.pop(call, None),
+            "now": utcnow(),
+        }
 
     def _record_finishes(self, finishes: list[dict[str, Any]]) -> None:
         for args in finishes:  # on the writer thread
             if not self.store.finish_call(**args).accepted:
                 log.warning("call %s finished without holding its claim", args["call_id"])
 
-    def batched(self, finishes: list[dict[str, Any]], work: Callable[[], T],
-                single: bool) -> T:
+    def batched(self, finishes: list[dict[str, Any]], work: Callable[[], T], single: bool) -> T:
         """Buffered call ends, then `work`, in one transaction (`single`: `work` is one
         store call, already one transaction: no batch is needed when nothing is buffered).
         Runs on the writer thread."""
@@ -111,8 +115,7 @@ class WriteBuffer:
             for meta in metas:
                 meta.tokens, meta.finishes = [], []
             try:
-                await self.db(self.batched, finishes,
-                              lambda: self.store.append_events(batch), True)
+                await self.db(self.batched, finishes, lambda: self.store.append_events(batch), True)
             except BaseException:  # nothing was written: back into the buffers
                 for meta, (tokens, ends) in zip(metas, taken, strict=True):
                     meta.tokens[:0] = tokens

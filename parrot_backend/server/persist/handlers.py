@@ -30,8 +30,7 @@ _RUN_STATUS = {"finished": "done", "failed": "failed", "cancelled": "cancelled"}
 def _plain(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Call specs as a client could send them: the manager's `#<index>` names of unnamed
     calls are dropped (they are not valid user names, and rebuilding gives them back)."""
-    return [{**c, "name": None} if str(c.get("name") or "").startswith("#") else c
-            for c in calls]
+    return [{**c, "name": None} if str(c.get("name") or "").startswith("#") else c for c in calls]
 
 
 def _descriptors(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
@@ -40,8 +39,11 @@ def _descriptors(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]
     out = []
     for i, raw in enumerate(calls):
         call = CallSpec.model_validate(raw).build(first + i)
-        desc: dict[str, Any] = {"name": call.name, "inputs": list(call.inputs),
-                                "outputs": list(call.outputs)}
+        desc: dict[str, Any] = {
+            "name": call.name,
+            "inputs": list(call.inputs),
+            "outputs": list(call.outputs),
+        }
         types = {o: c.value_type for o, c in call.configs.items() if c.value_type != "text"}
         if types:
             desc["types"] = types
@@ -49,15 +51,17 @@ def _descriptors(calls: list[dict[str, Any]], first: int) -> list[dict[str, Any]
     return out
 
 
-async def on_other(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                   events: Events) -> None:
+async def on_other(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     """Any other event type: just log it."""
     rows = [(run_id, t, q) for t, q in events]
     await p.txn(meta, lambda: p.store.append_events(rows), single=True)
 
 
-async def on_run_created(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                         events: Events) -> None:
+async def on_run_created(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
     if meta.resumed:
         # the rows exist; the manager re-announced the run while recovering it
@@ -66,41 +70,66 @@ async def on_run_created(p: StorePersister, run_id: str, meta: RunMeta, payload:
     program = dict(payload["program"])
     meta.program = program
     calls = _descriptors(program["calls"], 0)
-    detail = await p.txn(meta, functools.partial(
-        st.create_run, meta.tenant_id, program, calls, payload["inputs"],
-        payload["outputs"], open=payload["open"], workflow_id=meta.workflow_id,
-        replay_of=meta.replay_of, run_id=run_id, events=events, owner=p.worker,
-        owner_lease_s=p.owner_lease_s), single=True)
+    detail = await p.txn(
+        meta,
+        functools.partial(
+            st.create_run,
+            meta.tenant_id,
+            program,
+            calls,
+            payload["inputs"],
+            payload["outputs"],
+            open=payload["open"],
+            workflow_id=meta.workflow_id,
+            replay_of=meta.replay_of,
+            run_id=run_id,
+            events=events,
+            owner=p.worker,
+            owner_lease_s=p.owner_lease_s,
+        ),
+        single=True,
+    )
     meta.set_calls(detail.calls)
 
 
-async def on_calls_added(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                         events: Events) -> None:
+async def on_calls_added(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     first = len(meta.program["calls"])
     added = _plain(payload["calls"])
     calls = _descriptors(added, first)
     program = {**meta.program, "calls": [*meta.program["calls"], *added]}
-    await p.txn(meta, functools.partial(
-        p.store.add_calls, meta.tenant_id, run_id, calls, program=program,
-        events=events), single=True)
+    await p.txn(
+        meta,
+        functools.partial(
+            p.store.add_calls, meta.tenant_id, run_id, calls, program=program, events=events
+        ),
+        single=True,
+    )
     meta.program = program
     await p.refresh_call_ids(run_id, meta)
 
 
-async def on_objectives(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                        events: Events) -> None:
+async def on_objectives(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     idx = meta.call_idx
     plans = {
-        idx[name]: {"objective": o["objective"],
-                    "task_group": None if o["group"] is None else str(o["group"])}
-        for name, o in payload["calls"].items() if name in idx
+        idx[name]: {
+            "objective": o["objective"],
+            "task_group": None if o["group"] is None else str(o["group"]),
+        }
+        for name, o in payload["calls"].items()
+        if name in idx
     }
-    await p.txn(meta, functools.partial(
-        p.store.annotate_calls, run_id, plans, events=events), single=True)
+    await p.txn(
+        meta, functools.partial(p.store.annotate_calls, run_id, plans, events=events), single=True
+    )
 
 
-async def on_run_closed(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                        events: Events) -> None:
+async def on_run_closed(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
 
     def work() -> None:
@@ -110,8 +139,9 @@ async def on_run_closed(p: StorePersister, run_id: str, meta: RunMeta, payload: 
     await p.txn(meta, work)
 
 
-async def on_call_started(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                          events: Events) -> None:
+async def on_call_started(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
     call = payload["call"]
     meta.counts[call] = 0
@@ -121,8 +151,13 @@ async def on_call_started(p: StorePersister, run_id: str, meta: RunMeta, payload
     def work() -> bool:
         if first:  # the run's first call also marks it running
             st.set_run_status(run_id, "running")
-        return st.hold_call(meta.call_ids[call], p.worker, engine=payload.get("engine"),
-                            lease_s=p.lease_s, events=events)
+        return st.hold_call(
+            meta.call_ids[call],
+            p.worker,
+            engine=payload.get("engine"),
+            lease_s=p.lease_s,
+            events=events,
+        )
 
     held = await p.txn(meta, work, single=not first)
     meta.started = True
@@ -131,21 +166,22 @@ async def on_call_started(p: StorePersister, run_id: str, meta: RunMeta, payload
         raise RunOwnedElsewhere(f"call {call!r} of run {run_id} is held by another worker")
 
 
-async def on_variable_ready(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                            events: Events) -> None:
+async def on_variable_ready(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
 
     def work() -> None:
-        changed = st.set_variables(run_id, {payload["name"]: payload["value"]},
-                                   events=events)
+        changed = st.set_variables(run_id, {payload["name"]: payload["value"]}, events=events)
         if not changed and len(events) > 1:  # value was already there: keep the rest
             st.append_events([(run_id, t, q) for t, q in events[:-1]])
 
     await p.txn(meta, work, single=len(events) == 1)
 
 
-async def on_variable_failed(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                             events: Events) -> None:
+async def on_variable_failed(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
 
     def work() -> None:
@@ -157,8 +193,9 @@ async def on_variable_failed(p: StorePersister, run_id: str, meta: RunMeta, payl
     await p.txn(meta, work)
 
 
-async def on_call_failed(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                         events: Events) -> None:
+async def on_call_failed(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
     call_id = meta.call_ids[payload["call"]]
 
@@ -170,8 +207,9 @@ async def on_call_failed(p: StorePersister, run_id: str, meta: RunMeta, payload:
     await p.txn(meta, work)
 
 
-async def on_run_finished(p: StorePersister, run_id: str, meta: RunMeta, payload: dict,
-                          events: Events) -> None:
+async def on_run_finished(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
     st = p.store
 
     def work() -> None:

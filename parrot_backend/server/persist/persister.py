@@ -46,8 +46,7 @@ class StorePersister:
         self.lease_s = lease_s
         self.runs: dict[str, RunMeta] = {}
         self.frozen = False  # set on shutdown: later events are not persisted
-        self.buffer = WriteBuffer(store, worker, self.runs, notifier, self._db,
-                                  flush_interval_s)
+        self.buffer = WriteBuffer(store, worker, self.runs, notifier, self._db, flush_interval_s)
         self._tasks: list[asyncio.Task[None]] = []
         # SQLite has one writer: concurrent write transactions from several threads only
         # wait for each other in the busy handler's sleeps (milliseconds each). One writer
@@ -65,8 +64,10 @@ class StorePersister:
         """Start the flusher and the lease renewer on the running loop."""
         self._tasks = [
             asyncio.create_task(self.buffer.run(), name="parrot-flush"),
-            asyncio.create_task(renew_leases(self.store, self.worker, self.runs, self._db,
-                                             self.lease_s), name="parrot-lease"),
+            asyncio.create_task(
+                renew_leases(self.store, self.worker, self.runs, self._db, self.lease_s),
+                name="parrot-lease",
+            ),
         ]
 
     async def stop(self) -> None:
@@ -115,8 +116,9 @@ class StorePersister:
             await self._write(run_id, meta, type, payload, events)
         self.notifier.wake(run_id)
 
-    async def _write(self, run_id: str, meta: RunMeta, type: str, payload: dict,
-                     events: list[tuple[str, Any]]) -> None:
+    async def _write(
+        self, run_id: str, meta: RunMeta, type: str, payload: dict, events: list[tuple[str, Any]]
+    ) -> None:
         """Run the event's handler: its store work is one transaction (`txn`), with the
         run's buffered events and call ends. When that transaction fails, they are put
         back in the buffers for the next write; the event itself fails to the manager."""

@@ -88,7 +88,9 @@ def upgrade() -> None:
             ["tenant_id"], ["tenants.id"], name="fk_runs_tenant_id_tenants", ondelete="CASCADE"
         ),
         sa.ForeignKeyConstraint(
-            ["workflow_id"], ["workflows.id"], name="fk_runs_workflow_id_workflows",
+            ["workflow_id"],
+            ["workflows.id"],
+            name="fk_runs_workflow_id_workflows",
             ondelete="SET NULL",
         ),
         sa.ForeignKeyConstraint(
@@ -116,9 +118,7 @@ def upgrade() -> None:
             ["run_id"], ["runs.id"], name="fk_variables_run_id_runs", ondelete="CASCADE"
         ),
         sa.UniqueConstraint("run_id", "name", name="uq_variables_run_id_name"),
-        sa.CheckConstraint(
-            "status IN ('pending', 'ready', 'failed')", name="ck_variables_status"
-        ),
+        sa.CheckConstraint("status IN ('pending', 'ready', 'failed')", name="ck_variables_status"),
     )
     op.create_table(
         "calls",
@@ -152,9 +152,7 @@ def upgrade() -> None:
             name="ck_calls_status",
         ),
     )
-    op.create_index(
-        "ix_calls_status_lease_expires_at", "calls", ["status", "lease_expires_at"]
-    )
+    op.create_index("ix_calls_status_lease_expires_at", "calls", ["status", "lease_expires_at"])
     op.create_table(
         "call_inputs",
         sa.Column("call_id", sa.Integer(), nullable=False),
@@ -164,7 +162,9 @@ def upgrade() -> None:
             ["call_id"], ["calls.id"], name="fk_call_inputs_call_id_calls", ondelete="CASCADE"
         ),
         sa.ForeignKeyConstraint(
-            ["variable_id"], ["variables.id"], name="fk_call_inputs_variable_id_variables",
+            ["variable_id"],
+            ["variables.id"],
+            name="fk_call_inputs_variable_id_variables",
             ondelete="CASCADE",
         ),
     )
@@ -187,6 +187,14 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for table in ("events", "call_inputs", "calls", "variables", "runs", "workflows",
-                  "api_keys", "tenants"):
+    for table in (
+        "events",
+        "call_inputs",
+        "calls",
+        "variables",
+        "runs",
+        "workflows",
+        "api_keys",
+        "tenants",
+    ):
         op.drop_table(table)

@@ -21,8 +21,7 @@ _TYPES = "type IN ('text', 'json_schema', 'regex', 'choice')"
 
 def upgrade() -> None:
     with op.batch_alter_table("variables") as batch:  # SQLite: the table is recreated
-        batch.add_column(sa.Column("type", sa.String(16), nullable=False,
-                                   server_default="text"))
+        batch.add_column(sa.Column("type", sa.String(16), nullable=False, server_default="text"))
         batch.create_check_constraint(op.f("ck_variables_type"), _TYPES)
 
 

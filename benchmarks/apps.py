@@ -101,6 +101,10 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
             http, model, texts.document(99_999, cal_tokens), reps=2 if args.quick else 3
         )
         for name in args.workloads:
+            if name == "mixed_tenant":
+                if phase != "off":  # once, with the engine's cache as deployed
+                    records += await run_mixed(http, phase, args, model, bar)
+                continue
             for rep in range(args.reps):
                 order = workloads_order(rep)
                 for mi, mode in enumerate(order):
@@ -138,6 +142,65 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
     return records
 
 
+async def run_mixed(http, phase: str, args, model: str, bar) -> list[dict]:
+    """The latency chain alone, the batch alone, then both: parrot, then request-level."""
+    out = []
+    for mi, mode in enumerate(("parrot", "request-level")):
+        seed = args.seed + 9000 + 10 * mi
+        chain = workloads.build(
+            "chain_summary",
+            seed,
+            quick=args.quick,
+            **MIXED["quick" if args.quick else "cpu"]["chain"],
+        )
+        batch = workloads.build(
+            "map_reduce",
+            seed + 1,
+            quick=args.quick,
+            **MIXED["quick" if args.quick else "cpu"]["batch"],
+        )
+        batch.criterion = "throughput"
+        bar.set_description(f"cache {phase}: mixed_tenant {mode}")
+        got = await modes.run_mixed(
+            http,
+            mode,
+            chain,
+            batch,
+            args.rtt,
+            model,
+            delay=MIXED["quick" if args.quick else "cpu"]["delay"],
+        )
+        out.append(
+            {
+                "phase": phase,
+                "workload": "mixed_tenant",
+                "mode": mode,
+                "seed": seed,
+                "info": {"chain": chain.info, "batch": batch.info},
+                "mixed": got,
+            }
+        )
+        bar.set_postfix_str(f"{mode} chain {got['chain_loaded']:.1f}s loaded")
+        bar.update(1)
+    return out
+
+
+# mixed tenants: a latency chain submitted while a throughput map-reduce runs
+MIXED = {
+    "cpu": {
+        "chain": {"parts": 3, "part": 96, "gen": 16},
+        "batch": {"docs": 12, "doc": 128, "gen": 24, "reduce": 24},
+        "delay": 2.0,
+    },
+    "quick": {
+        "chain": {"parts": 2, "part": 32, "gen": 4},
+        "batch": {"docs": 4, "doc": 32, "gen": 4, "reduce": 4},
+        "delay": 0.2,
+    },
+}
+WORKLOADS = [*workloads.BUILDERS, "mixed_tenant"]
+
+
 def workloads_order(rep: int) -> tuple[str, str]:
     """Alternate which mode goes first, so drift on a shared machine hits both."""
     return ("parrot", "request-level") if rep % 2 == 0 else ("request-level", "parrot")
@@ -150,9 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--model", help="model for the servers the harness starts (default SmolLM2-135M-Instruct)"
     )
     ap.add_argument("--url", help="use this running server instead (one phase, its cache)")
-    ap.add_argument(
-        "--workloads", nargs="+", default=list(workloads.BUILDERS), choices=list(workloads.BUILDERS)
-    )
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument(
         "--cache",
         nargs="+",
@@ -184,7 +245,10 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python benchmarks/apps.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     tok = report.load_tokenizer(args.model)
     phases = ["external"] if args.url else args.cache
-    total = len(phases) * len(args.workloads) * args.reps * 2
+    apps = [w for w in args.workloads if w != "mixed_tenant"]
+    total = len(phases) * len(apps) * args.reps * 2
+    if "mixed_tenant" in args.workloads:
+        total += 2 * sum(p != "off" for p in phases)
     records: list[dict] = []
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.time()

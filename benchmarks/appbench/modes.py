@@ -93,9 +93,11 @@ async def _settle(http: httpx.AsyncClient) -> dict:
     return last
 
 
-async def run_parrot(http: httpx.AsyncClient, wl: Workload, rtt: float) -> dict:
+async def run_parrot(
+    http: httpx.AsyncClient, wl: Workload, rtt: float, counters: bool = True
+) -> dict:
     """Submit the whole program; wait for every awaited output (long polls in parallel)."""
-    before = await _settle(http)
+    before = await _settle(http) if counters else {}
     body = {
         "program": {"calls": [c.spec() for c in wl.calls]},
         "inputs": wl.inputs,
@@ -129,7 +131,7 @@ async def run_parrot(http: httpx.AsyncClient, wl: Workload, rtt: float) -> dict:
         if all(c["finished_at"] for c in detail["calls"]):
             break
         await asyncio.sleep(0.05)
-    after = await _settle(http)
+    after = await _settle(http) if counters else {}
     values = {k: v["value"] for k, v in detail["variables"].items()}
     ready = {k: _at(v["set_at"]) for k, v in detail["variables"].items()}
     created = _at(detail["run"]["created_at"])
@@ -158,10 +160,12 @@ async def run_parrot(http: httpx.AsyncClient, wl: Workload, rtt: float) -> dict:
     }
 
 
-async def run_request_level(http: httpx.AsyncClient, wl: Workload, rtt: float, model: str) -> dict:
+async def run_request_level(
+    http: httpx.AsyncClient, wl: Workload, rtt: float, model: str, counters: bool = True
+) -> dict:
     """Each call to `/v1/completions` (streamed) once its inputs are back at the client,
     independent calls concurrently."""
-    before = await _settle(http)
+    before = await _settle(http) if counters else {}
     loop = asyncio.get_running_loop()
     values: dict[str, asyncio.Future] = {}
     for name, value in wl.inputs.items():
@@ -221,9 +225,48 @@ async def run_request_level(http: httpx.AsyncClient, wl: Workload, rtt: float, m
     await asyncio.gather(*(one(c) for c in wl.calls))
     await asyncio.gather(*(values[o] for o in wl.outputs))
     jct = time.time() - start
-    after = await _settle(http)
+    after = await _settle(http) if counters else {}
     calls = [records[c.name] for c in wl.calls]
     return {"jct": jct, "calls": calls, "engine": counter_delta(before, after, len(calls))}
+
+
+async def run_mixed(
+    http: httpx.AsyncClient,
+    mode: str,
+    chain: Workload,
+    batch: Workload,
+    rtt: float,
+    model: str,
+    delay: float,
+) -> dict:
+    """Mixed tenants, in one mode: the latency chain alone, the throughput batch alone,
+    then the batch with the chain submitted `delay` s after it. The batch's outputs are
+    `throughput` in parrot mode; request-level has no way to say so (FIFO)."""
+
+    async def one(wl: Workload) -> dict:
+        if mode == "parrot":
+            return await run_parrot(http, wl, rtt, counters=False)
+        return await run_request_level(http, wl, rtt, model, counters=False)
+
+    async def later(wl: Workload) -> dict:
+        await asyncio.sleep(delay)
+        return await one(wl)
+
+    chain_idle = await one(chain)
+    batch_alone = await one(batch)
+    batch_loaded, chain_loaded = await asyncio.gather(one(batch), later(chain))
+
+    def tput(run: dict) -> float:
+        return sum(c["tokens"] for c in run["calls"]) / run["jct"]
+
+    return {
+        "chain_idle": chain_idle["jct"],
+        "chain_loaded": chain_loaded["jct"],
+        "batch_alone_jct": batch_alone["jct"],
+        "batch_loaded_jct": batch_loaded["jct"],
+        "batch_alone_tput": tput(batch_alone),
+        "batch_loaded_tput": tput(batch_loaded),
+    }
 
 
 async def calibrate(http: httpx.AsyncClient, model: str, prompt: str, reps: int = 2) -> dict:

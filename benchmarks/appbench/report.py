@@ -97,6 +97,7 @@ def _median(rows: list[dict], key: str):
 def aggregate(records: list[dict]) -> list[dict]:
     """One row per (phase, workload): medians over repetitions, the ratio, the bound."""
     rows = []
+    records = [r for r in records if "summary" in r]
     keys = sorted({(r["phase"], r["workload"]) for r in records}, key=lambda k: (k[1], k[0]))
     for phase, workload in keys:
         row = {"phase": phase, "workload": workload}
@@ -292,6 +293,48 @@ def plot(rows: list[dict], out: Path) -> list[str]:
     return made
 
 
+def mixed(records: list[dict]) -> tuple[dict, str]:
+    """Mixed tenants: the chain's JCT idle and under the batch, the batch's throughput
+    alone and with the chain, per mode, and the goals' ratios."""
+    by = {r["mode"]: r["mixed"] for r in records if "mixed" in r}
+    if not by:
+        return {}, ""
+    lines = [
+        "| mode | chain idle s | chain under batch s | slowdown | batch alone tok/s | "
+        "batch with chain tok/s |",
+        "|" + " --- |" * 6,
+    ]
+    for mode, m in by.items():
+        lines.append(
+            f"| {mode} | {_f(m['chain_idle'])} | {_f(m['chain_loaded'])} | "
+            f"{_f(m['chain_loaded'] / m['chain_idle'])}x | "
+            f"{_f(m['batch_alone_tput'], '{:.1f}')} | "
+            f"{_f(m['batch_loaded_tput'], '{:.1f}')} |"
+        )
+    p, q = by.get("parrot"), by.get("request-level")
+    g = {}
+    if p:
+        g["chain_slowdown"] = p["chain_loaded"] / p["chain_idle"]
+    if p and q:
+        g["chain_vs_fifo"] = q["chain_loaded"] / p["chain_loaded"]
+        g["batch_tput_vs_fifo"] = p["batch_loaded_tput"] / q["batch_loaded_tput"]
+        g["batch_tput_vs_alone"] = p["batch_loaded_tput"] / p["batch_alone_tput"]
+    goal_lines = ["| goal | measured | met |", "| --- | --- | --- |"]
+    for key, what, ok in (
+        ("chain_slowdown", "chain under load within 1.3x of idle", lambda v: v <= 1.3),
+        ("chain_vs_fifo", "chain >= 2x better than request-level FIFO", lambda v: v >= 2),
+        (
+            "batch_tput_vs_fifo",
+            "batch throughput >= 0.9x request-level's under the same load",
+            lambda v: v >= 0.9,
+        ),
+    ):
+        if key in g:
+            goal_lines.append(f"| {what} | {_f(g[key])}x | {'yes' if ok(g[key]) else 'no'} |")
+    text = "\n".join(lines) + "\n\n" + "\n".join(goal_lines) + "\n"
+    return g, text
+
+
 def write(out: Path, meta: dict, records: list[dict]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = aggregate(records)
@@ -299,8 +342,12 @@ def write(out: Path, meta: dict, records: list[dict]) -> dict:
         json.dumps({"meta": meta, "rows": rows, "runs": records}, indent=1, default=str)
     )
     text = f"Command: `{meta['command']}`\n\n" + table(rows) + "\n" + goals(rows)
+    goals_mixed, text_mixed = mixed(records)
+    if text_mixed:
+        text += "\nMixed tenants (a latency chain submitted while a throughput batch runs):\n\n"
+        text += text_mixed
     if time_table(rows):
         text += "\nWhere the time goes (medians):\n\n" + time_table(rows)
     (out / "table.md").write_text(text)
     plots = plot(rows, out)
-    return {"rows": rows, "table": text, "plots": plots}
+    return {"rows": rows, "table": text, "plots": plots, "mixed": goals_mixed}

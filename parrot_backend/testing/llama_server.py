@@ -159,9 +159,7 @@ def _binary_ok(folder: Path) -> tuple[bool, str]:
     if info.get("cpu") != cpu_fingerprint():
         return False, "built for another CPU (native build)"
     try:
-        run = subprocess.run(
-            [str(binary), "--version"], capture_output=True, text=True, timeout=60
-        )
+        run = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"does not start: {exc}"
     if run.returncode != 0:
@@ -235,8 +233,17 @@ def _download_sdist(version: str, say: Progress) -> Path:
     say(f"llama-server: downloading the llama-cpp-python {version} sdist with pip ...")
     with tempfile.TemporaryDirectory(dir=keep) as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-            "--no-binary", ":all:", f"llama-cpp-python=={version}", "-d", tmp,
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"llama-cpp-python=={version}",
+            "-d",
+            tmp,
         ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         found = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
@@ -267,7 +274,11 @@ def _run_logged(cmd: Sequence[str], log, say: Progress, *, cwd: Path, step: str)
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     proc = subprocess.Popen(
-        list(cmd), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        list(cmd),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         errors="replace",
     )
     assert proc.stdout is not None
@@ -277,7 +288,7 @@ def _run_logged(cmd: Sequence[str], log, say: Progress, *, cwd: Path, step: str)
         stripped = line.strip()
         # make prints "[ 42%] Building CXX object ..."; show each new percentage once
         if stripped.startswith("[") and "%]" in stripped[:8]:
-            percent = stripped[1:stripped.index("%]")].strip()
+            percent = stripped[1 : stripped.index("%]")].strip()
             if percent != last_percent:
                 last_percent = percent
                 say(f"llama-server: {step} {stripped[:110]}")
@@ -303,14 +314,29 @@ def _build(folder: Path, *, version: str, source: Path | None, jobs: int, say: P
         with open(log_path, "w") as log:
             say(f"llama-server: configuring with cmake (log: {log_path}) ...")
             _run_logged(
-                ["cmake", "-S", str(src), "-B", str(build), *args], log, say,
-                cwd=scratch, step="configure",
+                ["cmake", "-S", str(src), "-B", str(build), *args],
+                log,
+                say,
+                cwd=scratch,
+                step="configure",
             )
             say(f"llama-server: compiling the server target with -j{jobs} ...")
             _run_logged(
-                ["cmake", "--build", str(build), "--target", "llama-server",
-                 "--config", "Release", "-j", str(jobs)],
-                log, say, cwd=scratch, step="build",
+                [
+                    "cmake",
+                    "--build",
+                    str(build),
+                    "--target",
+                    "llama-server",
+                    "--config",
+                    "Release",
+                    "-j",
+                    str(jobs),
+                ],
+                log,
+                say,
+                cwd=scratch,
+                step="build",
             )
         built = build / "bin" / "llama-server"
         if not built.is_file():
@@ -411,10 +437,20 @@ class LlamaServer:
         """The command line the server runs with."""
         assert self.binary is not None and self.model is not None and self.port is not None
         cmd = [
-            str(self.binary), "--model", str(self.model),
-            "--host", self.host, "--port", str(self.port),
-            "--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel),
-            "--metrics", "--slots", "--no-webui",
+            str(self.binary),
+            "--model",
+            str(self.model),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--ctx-size",
+            str(self.ctx_size),
+            "--parallel",
+            str(self.parallel),
+            "--metrics",
+            "--slots",
+            "--no-webui",
             # no weight repacking, so no AMX buffers: on a Sapphire Rapids VM (amx_int8 in
             # /proc/cpuinfo, XTILEDATA permitted) this build's AMX matmul crashes with a
             # general protection fault in the warm-up decode. Q4_1 has no other CPU repack.
@@ -447,7 +483,9 @@ class LlamaServer:
             self.port = chosen or free_port(self.host)
             self._log = open(self.log_path, "a")  # closed in stop()
             self.process = subprocess.Popen(
-                self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                self.command(),
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
             deadline = time.monotonic() + self.startup_timeout

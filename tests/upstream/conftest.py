@@ -28,6 +28,11 @@ BUILD_TIMEOUT_S = 3600
 PARALLEL = 4
 CTX_SIZE = 4 * 2048
 
+# One compute thread: llama.cpp's threads spin at every barrier, so two threads on two cores
+# that other work also wants decode ~20x slower (measured: 2 tok/s vs 40 with one thread
+# while a benchmark ran beside it); one thread is steady on a busy or quiet machine.
+THREADS = 1
+
 
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
@@ -55,8 +60,12 @@ def llama_server(llama_server_bin, tmp_path_factory):
     """One llama-server for the session: SmolLM2 Q4_1, 4 slots, /metrics and /slots on."""
     log = tmp_path_factory.mktemp("llama-server") / "llama-server.log"
     server = LlamaServer(
-        llama_server_bin, smollm2_gguf(), ctx_size=CTX_SIZE, parallel=PARALLEL,
-        threads=2, log_path=log,
+        llama_server_bin,
+        smollm2_gguf(),
+        ctx_size=CTX_SIZE,
+        parallel=PARALLEL,
+        threads=THREADS,
+        log_path=log,
     )
     with server:
         yield server

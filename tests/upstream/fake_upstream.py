@@ -101,8 +101,11 @@ class FakeUpstream:
         queued = self.fail.get(path)
         if queued:
             status = queued.pop(0)
-            return httpx.Response(status, json={"error": {"code": status, "message": "scripted"}},
-                                  headers={"retry-after": "0.01"})
+            return httpx.Response(
+                status,
+                json={"error": {"code": status, "message": "scripted"}},
+                headers={"retry-after": "0.01"},
+            )
         if path == "/v1/models":
             owner = "llamacpp" if self.kind == "llama.cpp" else "parrot"
             card = {"id": "fake-model", "owned_by": owner, "meta": {"n_vocab": 256}}
@@ -110,8 +113,14 @@ class FakeUpstream:
                 card["max_model_len"] = self.n_ctx
             return httpx.Response(200, json={"data": [card]})
         if path == "/props" and self.kind == "llama.cpp":
-            return httpx.Response(200, json={"default_generation_settings": {"n_ctx": self.n_ctx},
-                                             "total_slots": self.slots, "eos_token": EOS})
+            return httpx.Response(
+                200,
+                json={
+                    "default_generation_settings": {"n_ctx": self.n_ctx},
+                    "total_slots": self.slots,
+                    "eos_token": EOS,
+                },
+            )
         if path == "/metrics":
             return httpx.Response(200, text=self.metrics)
         if path in ("/tokenize", "/detokenize"):
@@ -128,17 +137,32 @@ class FakeUpstream:
         if not body.get("stream"):  # a warm-up
             if self.warm_gate is not None:
                 await self.warm_gate.wait()
-            return httpx.Response(200, json={"content": "", "tokens": [], "stop": True,
-                                             "timings": {"prompt_n": len(prompt), "cache_n": 0}})
+            return httpx.Response(
+                200,
+                json={
+                    "content": "",
+                    "tokens": [],
+                    "stop": True,
+                    "timings": {"prompt_n": len(prompt), "cache_n": 0},
+                },
+            )
         events, stop_type = [], "limit"
         for t in self.script(prompt, body["n_predict"]):
-            events.append({"content": chr(t) if chr(t) != EOS else "", "tokens": [t],
-                           "stop": False})
+            events.append(
+                {"content": chr(t) if chr(t) != EOS else "", "tokens": [t], "stop": False}
+            )
             if chr(t) == EOS and not body.get("ignore_eos"):
                 stop_type = "eos"
                 break
-        events.append({"content": "", "tokens": [], "stop": True, "stop_type": stop_type,
-                       "timings": {"prompt_n": len(prompt) - 2, "cache_n": 2}})
+        events.append(
+            {
+                "content": "",
+                "tokens": [],
+                "stop": True,
+                "stop_type": stop_type,
+                "timings": {"prompt_n": len(prompt) - 2, "cache_n": 2},
+            }
+        )
         return self._sse(events, done=False)
 
     def _openai(self, body: dict) -> httpx.Response:
@@ -147,13 +171,14 @@ class FakeUpstream:
         ids = self.script(prompt, body["max_tokens"])
         if not body.get("stream"):
             text = "".join(map(chr, ids))
-            return httpx.Response(200, json={"choices": [{"index": 0, "text": text,
-                                                          "finish_reason": "length"}]})
-        events = [{"choices": [{"index": 0, "text": chr(t), "finish_reason": None}]}
-                  for t in ids]
+            return httpx.Response(
+                200, json={"choices": [{"index": 0, "text": text, "finish_reason": "length"}]}
+            )
+        events = [{"choices": [{"index": 0, "text": chr(t), "finish_reason": None}]} for t in ids]
         events[-1]["choices"][0]["finish_reason"] = "length"
-        events.append({"choices": [], "usage": {"prompt_tokens": len(prompt),
-                                                "completion_tokens": len(ids)}})
+        events.append(
+            {"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+        )
         return self._sse(events, done=True)
 
     def _sse(self, events: list[dict], done: bool) -> httpx.Response:
@@ -162,5 +187,8 @@ class FakeUpstream:
             frames.append(b"data: [DONE]\n\n")
         if self.cut_after is not None:
             frames = frames[: self.cut_after]
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=_Stream(self, frames, self.delay))
+        return httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            stream=_Stream(self, frames, self.delay),
+        )

@@ -24,8 +24,9 @@ from .fake_upstream import EOS, CharTokenizer, FakeUpstream
 async def connect(fake: FakeUpstream, **kw) -> UpstreamEngine:
     if fake.kind != "llama.cpp":
         kw.setdefault("tokenizer", CharTokenizer())
-    return await UpstreamEngine.connect("http://up:1/v1", transport=fake.transport(),
-                                        sync_transport=fake.sync_transport(), **kw)
+    return await UpstreamEngine.connect(
+        "http://up:1/v1", transport=fake.transport(), sync_transport=fake.sync_transport(), **kw
+    )
 
 
 def ids(text: str) -> list[int]:
@@ -94,8 +95,17 @@ async def test_sampling_and_max_tokens_are_sent_and_capped_by_the_context() -> N
     fake = FakeUpstream(n_ctx=20)
     engine = await connect(fake)
     await engine.fill("c", None, ids("0123456789abcdef"))  # 16 of 20 tokens
-    await run(engine, "c", max_tokens=50, temperature=0.7, top_p=0.9, top_k=5, seed=2**40 + 7,
-              stop=["x"], ignore_eos=True)
+    await run(
+        engine,
+        "c",
+        max_tokens=50,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=2**40 + 7,
+        stop=["x"],
+        ignore_eos=True,
+    )
     body = fake.requests[-1][1]
     assert body["n_predict"] == 4  # what is left of the slot's context
     assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 5)
@@ -184,13 +194,15 @@ async def test_fan_out_waits_for_one_warm_up_of_the_shared_prefix() -> None:
     await asyncio.sleep(0.05)
     # one warm-up of exactly the prefix, and no child sent before it is done
     assert [(p, b["prompt"], b["stream"]) for p, b in fake.requests] == [
-        ("/completion", prefix, False)]
+        ("/completion", prefix, False)
+    ]
     fake.warm_gate.set()
     assert await asyncio.gather(*tasks) == ["ab"] * 5
     warm, *children = fake.requests
     assert warm[1]["n_predict"] == 0
     assert sorted(b["prompt"] for _, b in children) == sorted(
-        prefix + ids(f"q{i} ") for i in range(5))
+        prefix + ids(f"q{i} ") for i in range(5)
+    )
     assert engine.warmups == 1
     # a later fork of the same prefix is not warmed again
     await engine.fill("late", "p", ids("z"))
@@ -221,9 +233,17 @@ async def test_a_failed_warm_up_does_not_fail_the_children() -> None:
     await engine.aclose()
 
 
-@pytest.mark.parametrize("status, error", [(400, InvalidRequest), (413, InvalidRequest),
-                                           (500, EngineUnavailable), (503, EngineUnavailable),
-                                           (401, EngineUnavailable), (404, EngineUnavailable)])
+@pytest.mark.parametrize(
+    "status, error",
+    [
+        (400, InvalidRequest),
+        (413, InvalidRequest),
+        (500, EngineUnavailable),
+        (503, EngineUnavailable),
+        (401, EngineUnavailable),
+        (404, EngineUnavailable),
+    ],
+)
 async def test_error_answers_map_onto_the_contract(status, error) -> None:
     fake = FakeUpstream()
     engine = await connect(fake)
@@ -310,15 +330,19 @@ def test_metrics_of_each_server_kind() -> None:
         'vllm:num_requests_waiting{model_name="m"} 2\n'
         'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
         'vllm:prefix_cache_hits_total{model_name="m"} 40\n'
-        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1\n')
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1\n'
+    )
     assert (vllm.running, vllm.waiting, vllm.kv_usage, vllm.kv_tokens) == (3, 2, 0.25, 16000)
     assert vllm.prefix_hits == 40
-    sgl = read_load("# HELP x\nsglang:num_running_reqs{tp_rank=\"0\"} 4\n"
-                    "sglang:num_queue_reqs{tp_rank=\"0\"} 1\nsglang:token_usage 0.5\n"
-                    "sglang:max_total_num_tokens 5000\n")
+    sgl = read_load(
+        '# HELP x\nsglang:num_running_reqs{tp_rank="0"} 4\n'
+        'sglang:num_queue_reqs{tp_rank="0"} 1\nsglang:token_usage 0.5\n'
+        "sglang:max_total_num_tokens 5000\n"
+    )
     assert (sgl.running, sgl.waiting, sgl.kv_usage, sgl.kv_tokens) == (4, 1, 0.5, 5000)
-    ours = read_load("parrot_engine_running 2\nparrot_kv_blocks_total 10\n"
-                     "parrot_kv_blocks_used 5\n")
+    ours = read_load(
+        "parrot_engine_running 2\nparrot_kv_blocks_total 10\nparrot_kv_blocks_used 5\n"
+    )
     assert (ours.running, ours.kv_usage) == (2, 0.5)
     assert read_load("garbage line\n").running is None
 
@@ -332,9 +356,11 @@ async def test_connect_all_shares_one_tokenizer_that_survives_its_first_server()
     def route_sync(request):
         return fakes[request.url.host].handle_sync(request)
 
-    a, b = await connect_all(["http://a:1/v1", "http://b:1/v1"],
-                             transport=httpx.MockTransport(route),
-                             sync_transport=httpx.MockTransport(route_sync))
+    a, b = await connect_all(
+        ["http://a:1/v1", "http://b:1/v1"],
+        transport=httpx.MockTransport(route),
+        sync_transport=httpx.MockTransport(route_sync),
+    )
     assert a._tok is b._tok
     fakes["a"].down = True
     assert a.tokenize("new text") == ids("new text")  # answered by the second server

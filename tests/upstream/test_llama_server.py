@@ -114,7 +114,8 @@ def test_chat_completions_greedy_uses_the_models_template(llama_server, smollm2_
     rendered = post(llama_server, "/apply-template", {"messages": CHAT})["prompt"]
     assert rendered == ours
     assert out["usage"]["prompt_tokens"] == len(
-        smollm2_tokenizer.encode(ours, add_special_tokens=False))
+        smollm2_tokenizer.encode(ours, add_special_tokens=False)
+    )
     again = post(llama_server, "/v1/chat/completions", body)
     assert again["choices"][0]["message"]["content"] == message["content"]
 
@@ -133,10 +134,17 @@ def test_token_id_prompt_equals_text_prompt(llama_server):
 def test_completion_returns_token_ids(llama_server):
     """`return_tokens` (llama.cpp's /completion) gives the generated ids; /detokenize of
     them is the text /v1/completions returns."""
-    out = post(llama_server, "/completion", {
-        "prompt": PROMPT, "n_predict": 12, "temperature": 0, "cache_prompt": False,
-        "return_tokens": True,
-    })
+    out = post(
+        llama_server,
+        "/completion",
+        {
+            "prompt": PROMPT,
+            "n_predict": 12,
+            "temperature": 0,
+            "cache_prompt": False,
+            "return_tokens": True,
+        },
+    )
     assert len(out["tokens"]) == out["tokens_predicted"] > 0
     text = post(llama_server, "/detokenize", {"tokens": out["tokens"]})["content"]
     assert text == out["content"]
@@ -175,10 +183,17 @@ def test_tokenize_shapes_and_detokenize(llama_server, smollm2_tokenizer):
 
 def test_streaming_sse(llama_server):
     whole = complete(llama_server, PROMPT)["choices"][0]["text"]
-    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "cache_prompt": False,
-            "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", llama_server.url + "/v1/completions", json=body,
-                      timeout=120) as response:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 24,
+        "temperature": 0,
+        "cache_prompt": False,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", llama_server.url + "/v1/completions", json=body, timeout=120
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response)
@@ -197,8 +212,9 @@ def test_streaming_sse(llama_server):
 def test_chat_streaming_sse(llama_server):
     body = {"messages": CHAT, "max_tokens": 16, "temperature": 0, "cache_prompt": False}
     whole = post(llama_server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
-    with httpx.stream("POST", llama_server.url + "/v1/chat/completions",
-                      json=body | {"stream": True}, timeout=120) as response:
+    with httpx.stream(
+        "POST", llama_server.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=120
+    ) as response:
         events = sse_events(response)
     assert events[-1] == "[DONE]"
     deltas = [c["choices"][0]["delta"] for c in events[:-1] if c.get("choices")]
@@ -210,10 +226,16 @@ def test_client_disconnect_stops_generation(llama_server):
     wait_idle(llama_server)
     predicted_before = metric(llama_server, "llamacpp:tokens_predicted_total")
     max_tokens = 1500
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", llama_server.url + "/v1/completions", json=body,
-                      timeout=120) as response:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", llama_server.url + "/v1/completions", json=body, timeout=120
+    ) as response:
         seen = 0
         for line in response.iter_lines():
             if line.startswith("data:"):
@@ -234,18 +256,31 @@ def test_prefix_cache_across_requests(llama_server):
     request sharing a long prefix reports it in usage.prompt_tokens_details.cached_tokens."""
     wait_idle(llama_server)
     shared = "You are a careful assistant who answers briefly. " * 12
-    first = post(llama_server, "/v1/completions", {
-        "prompt": shared + "Question: what is red?", "max_tokens": 4, "temperature": 0})
-    second = post(llama_server, "/v1/completions", {
-        "prompt": shared + "Question: what is blue?", "max_tokens": 4, "temperature": 0})
+    first = post(
+        llama_server,
+        "/v1/completions",
+        {"prompt": shared + "Question: what is red?", "max_tokens": 4, "temperature": 0},
+    )
+    second = post(
+        llama_server,
+        "/v1/completions",
+        {"prompt": shared + "Question: what is blue?", "max_tokens": 4, "temperature": 0},
+    )
     n_shared = len(tokenize(llama_server, shared))
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens"] > n_shared
     assert n_shared <= cached < second["usage"]["prompt_tokens"]
     # cache_prompt false: nothing reused
-    third = post(llama_server, "/v1/completions", {
-        "prompt": shared + "Question: what is blue?", "max_tokens": 4, "temperature": 0,
-        "cache_prompt": False})
+    third = post(
+        llama_server,
+        "/v1/completions",
+        {
+            "prompt": shared + "Question: what is blue?",
+            "max_tokens": 4,
+            "temperature": 0,
+            "cache_prompt": False,
+        },
+    )
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
@@ -270,13 +305,20 @@ def test_stop_strings(llama_server):
 
 
 def test_seeded_sampling_repeats(llama_server):
-    body = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 24,
-            "ignore_eos": True}
+    body = {
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "max_tokens": 24,
+        "ignore_eos": True,
+    }
     a = complete(llama_server, PROMPT, seed=1234, **body)["choices"][0]["text"]
     b = complete(llama_server, PROMPT, seed=1234, **body)["choices"][0]["text"]
     assert a == b
-    others = {complete(llama_server, PROMPT, seed=s, **body)["choices"][0]["text"]
-              for s in (1, 2, 3)}
+    others = {
+        complete(llama_server, PROMPT, seed=s, **body)["choices"][0]["text"] for s in (1, 2, 3)
+    }
     assert len(others | {a}) > 1
 
 
@@ -295,8 +337,12 @@ def test_logprobs(llama_server):
 
 def test_metrics_and_slots(llama_server):
     text = httpx.get(llama_server.url + "/metrics").text
-    for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
-                 "llamacpp:requests_processing", "llamacpp:n_decode_total"):
+    for name in (
+        "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total",
+        "llamacpp:requests_processing",
+        "llamacpp:n_decode_total",
+    ):
         assert f"# TYPE {name} " in text
     slots = httpx.get(llama_server.url + "/slots").json()
     assert [s["id"] for s in slots] == list(range(PARALLEL))
@@ -307,8 +353,9 @@ def test_metrics_and_slots(llama_server):
 
 def native_stream(server, body: dict) -> list[dict]:
     """The chunks of a streamed `/completion` (llama.cpp's native route)."""
-    with httpx.stream("POST", server.url + "/completion", json=body | {"stream": True},
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", server.url + "/completion", json=body | {"stream": True}, timeout=120
+    ) as response:
         assert response.status_code == 200
         return [c for c in sse_events(response) if c != "[DONE]"]
 
@@ -317,11 +364,20 @@ def test_native_stream_token_ids_eos_and_stop_words(llama_server):
     """One chunk per token with its id; EOS is a chunk of its own with empty text, then the
     last chunk (`stop`, `stop_type`, `timings`); a stop word's tokens are streamed, its
     text cut."""
-    chat = post(llama_server, "/apply-template", {"messages": [
-        {"role": "user", "content": "Hi"}]})["prompt"]
+    chat = post(llama_server, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]})[
+        "prompt"
+    ]
     ids = tokenize(llama_server, chat)
-    chunks = native_stream(llama_server, {"prompt": ids, "n_predict": 60, "temperature": 0,
-                                          "cache_prompt": False, "return_tokens": True})
+    chunks = native_stream(
+        llama_server,
+        {
+            "prompt": ids,
+            "n_predict": 60,
+            "temperature": 0,
+            "cache_prompt": False,
+            "return_tokens": True,
+        },
+    )
     *tokens, last = chunks
     assert all(len(c["tokens"]) == 1 and not c["stop"] for c in tokens)
     eos = tokenize(llama_server, "<|im_end|>")
@@ -329,8 +385,14 @@ def test_native_stream_token_ids_eos_and_stop_words(llama_server):
     assert last["stop"] and last["stop_type"] == "eos" and last["tokens"] == []
     assert last["timings"]["prompt_n"] == len(ids) and last["timings"]["cache_n"] == 0
     # a stop word: the text ends before it, the tokens that spell it were streamed
-    body = {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "cache_prompt": False,
-            "return_tokens": True, "ignore_eos": True}
+    body = {
+        "prompt": PROMPT,
+        "n_predict": 24,
+        "temperature": 0,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "ignore_eos": True,
+    }
     free = native_stream(llama_server, body)
     text = "".join(c["content"] for c in free)
     stop = text[10:14]
@@ -339,7 +401,8 @@ def test_native_stream_token_ids_eos_and_stop_words(llama_server):
     assert "".join(c["content"] for c in cut) == text[: text.index(stop)]
     streamed = [t for c in cut for t in c["tokens"]]
     assert post(llama_server, "/detokenize", {"tokens": streamed})["content"].startswith(
-        text[: text.index(stop) + len(stop)])
+        text[: text.index(stop) + len(stop)]
+    )
 
 
 def test_slots_do_not_share_a_warmed_prefix(llama_server):
@@ -355,8 +418,10 @@ def test_slots_do_not_share_a_warmed_prefix(llama_server):
 
     async def one(client, i):
         q = tokenize(llama_server, f" Question {i}?")
-        r = await client.post(llama_server.url + "/completion", json={
-            "prompt": prefix + q, "n_predict": 2, "temperature": 0})
+        r = await client.post(
+            llama_server.url + "/completion",
+            json={"prompt": prefix + q, "n_predict": 2, "temperature": 0},
+        )
         return r.json()["timings"]["cache_n"]
 
     async def fan_out():

@@ -60,8 +60,9 @@ def request(
     return "/completions", _openai_body(kind, model, prompt, sampling, max_new, salt, stream)
 
 
-def warm_request(kind: str, model: str, prompt: list[int], salt: str | None
-                 ) -> tuple[str, dict[str, Any]]:
+def warm_request(
+    kind: str, model: str, prompt: list[int], salt: str | None
+) -> tuple[str, dict[str, Any]]:
     """The shortest request that makes the upstream compute and cache `prompt`'s KV."""
     greedy = SamplingParams(max_tokens=1)
     if kind == LLAMA_CPP:
@@ -70,8 +71,7 @@ def warm_request(kind: str, model: str, prompt: list[int], salt: str | None
     return "/completions", _openai_body(kind, model, prompt, greedy, 1, salt, stream=False)
 
 
-def _llama_body(prompt: list[int], s: SamplingParams, max_new: int, stream: bool
-                ) -> dict[str, Any]:
+def _llama_body(prompt: list[int], s: SamplingParams, max_new: int, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": prompt,
         "n_predict": max_new,
@@ -101,13 +101,22 @@ def _llama_body(prompt: list[int], s: SamplingParams, max_new: int, stream: bool
         elif c.kind == "choice":
             body["grammar"] = "root ::= " + " | ".join(json.dumps(x) for x in c.spec)
         else:
-            raise InvalidRequest(f"a llama.cpp upstream cannot enforce a {c.kind} constraint "
-                                 f"(json_schema and choice only)")
+            raise InvalidRequest(
+                f"a llama.cpp upstream cannot enforce a {c.kind} constraint "
+                f"(json_schema and choice only)"
+            )
     return body
 
 
-def _openai_body(kind: str, model: str, prompt: list[int], s: SamplingParams, max_new: int,
-                 salt: str | None, stream: bool) -> dict[str, Any]:
+def _openai_body(
+    kind: str,
+    model: str,
+    prompt: list[int],
+    s: SamplingParams,
+    max_new: int,
+    salt: str | None,
+    stream: bool,
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -135,10 +144,14 @@ def _openai_body(kind: str, model: str, prompt: list[int], s: SamplingParams, ma
     c = s.constraint
     if c is not None:
         if c.kind != "json_schema":
-            raise InvalidRequest(f"an OpenAI-compatible upstream cannot be asked for a "
-                                 f"{c.kind} constraint (json_schema only)")
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "output", "schema": json.loads(str(c.spec)), "strict": True}}
+            raise InvalidRequest(
+                f"an OpenAI-compatible upstream cannot be asked for a "
+                f"{c.kind} constraint (json_schema only)"
+            )
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": json.loads(str(c.spec)), "strict": True},
+        }
     return body
 
 

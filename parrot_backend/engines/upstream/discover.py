@@ -78,8 +78,10 @@ async def discover(
     models = await _get(client, base + "/models", timeout)
     cards = models.get("data") if isinstance(models, dict) else None
     if not cards:
-        raise EngineUnavailable(f"{base}/models lists no model: is this an OpenAI-compatible "
-                                f"server (give the URL ending in /v1)?")
+        raise EngineUnavailable(
+            f"{base}/models lists no model: is this an OpenAI-compatible "
+            f"server (give the URL ending in /v1)?"
+        )
     card = next((c for c in cards if model is None or c.get("id") == model), cards[0])
     found = _OWNERS.get(str(card.get("owned_by", "")).lower(), "openai")
     props = await _get(client, root + "/props", timeout) if found in (LLAMA_CPP, "openai") else None

@@ -186,14 +186,21 @@ class UpstreamEngine:
             if max_model_len is not None:
                 info.max_model_len = max_model_len
             if info.kind in (dialects.LLAMA_CPP, "vllm"):
-                remote = HttpTokenizer(info.root, kind=info.kind, model=info.model,
-                                       headers=headers, transport=sync_transport)
+                remote = HttpTokenizer(
+                    info.root,
+                    kind=info.kind,
+                    model=info.model,
+                    headers=headers,
+                    transport=sync_transport,
+                )
             local = await asyncio.to_thread(_local_tokenizer, tokenizer) if tokenizer else None
             if local is not None and remote is not None:
                 await asyncio.to_thread(check_agrees, local, remote)
             if local is None and remote is None:
-                raise ValueError(f"upstream {info.base} ({info.kind}) has no /tokenize route: "
-                                 f"name a local tokenizer for it")
+                raise ValueError(
+                    f"upstream {info.base} ({info.kind}) has no /tokenize route: "
+                    f"name a local tokenizer for it"
+                )
             tok = local or remote
             assert tok is not None
             if local is not None:
@@ -209,9 +216,17 @@ class UpstreamEngine:
             await client.aclose()
         if local is not None and remote is not None:
             remote.close()  # checked; the local one answers from here on
-        return cls(info, tok, api_key=api_key, transport=transport, model_name=model_name,
-                   eos_ids=eos_ids, warm_prefixes=True if warm_prefixes is None else warm_prefixes,
-                   capacity_tokens=capacity_tokens, stats_interval_s=stats_interval_s)
+        return cls(
+            info,
+            tok,
+            api_key=api_key,
+            transport=transport,
+            model_name=model_name,
+            eos_ids=eos_ids,
+            warm_prefixes=True if warm_prefixes is None else warm_prefixes,
+            capacity_tokens=capacity_tokens,
+            stats_interval_s=stats_interval_s,
+        )
 
     def _default_capacity(self) -> int:
         if self.info.slots and self.max_model_len:
@@ -280,7 +295,8 @@ class UpstreamEngine:
         if self.max_model_len is not None and len(ctx.tokens) + len(token_ids) > self.max_model_len:
             raise InvalidRequest(
                 f"context {context_id!r} would hold {len(ctx.tokens) + len(token_ids)} tokens, "
-                f"more than the upstream's {self.max_model_len} per request")
+                f"more than the upstream's {self.max_model_len} per request"
+            )
         self.tree.add(ctx)
         ctx.tokens.extend(token_ids)
         if new and ctx.parent is not None:
@@ -303,8 +319,10 @@ class UpstreamEngine:
             raise InvalidRequest("sampling must be a SamplingParams")
         sampling.validate(self.vocab_size)
         if parent_id is None and context_id not in self.tree.contexts:
-            raise ContextNotFound(f"unknown context {context_id!r}: generate continues an "
-                                  f"existing context or forks a new one from a parent")
+            raise ContextNotFound(
+                f"unknown context {context_id!r}: generate continues an "
+                f"existing context or forks a new one from a parent"
+            )
         ctx, new = self.tree.resolve(context_id, parent_id, salt)
         if not ctx.tokens:
             raise InvalidRequest("cannot generate from an empty context: fill it first")
@@ -314,11 +332,19 @@ class UpstreamEngine:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - len(ctx.tokens))
             if room < 1:
-                raise InvalidRequest(f"context {context_id!r} holds {len(ctx.tokens)} tokens: "
-                                     f"no room left under the upstream's {self.max_model_len}")
+                raise InvalidRequest(
+                    f"context {context_id!r} holds {len(ctx.tokens)} tokens: "
+                    f"no room left under the upstream's {self.max_model_len}"
+                )
         prompt = list(ctx.tokens)
-        path, body = dialects.request(self.kind, self.info.model, prompt, sampling, room,
-                                      ctx.salt if ctx.salt is not None else salt)
+        path, body = dialects.request(
+            self.kind,
+            self.info.model,
+            prompt,
+            sampling,
+            room,
+            ctx.salt if ctx.salt is not None else salt,
+        )
         self.tree.add(ctx)
         if new and ctx.parent is not None:
             await self._warm(ctx.parent)
@@ -395,9 +421,13 @@ class UpstreamEngine:
             tokens_generated=self.tokens_generated,
             preemptions=0,
             steps=0,
-            extra={"kind": self.kind, "url": self.url, "requests": self.requests,
-                   "warmups": self.warmups, "upstream": {
-                       k: getattr(load, k) for k in load.__slots__}},
+            extra={
+                "kind": self.kind,
+                "url": self.url,
+                "requests": self.requests,
+                "warmups": self.warmups,
+                "upstream": {k: getattr(load, k) for k in load.__slots__},
+            },
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -423,7 +453,8 @@ class UpstreamEngine:
         if fut is None or parent.warm_len != len(parent.tokens):
             parent.warm_len = len(parent.tokens)
             fut = parent.warm = asyncio.ensure_future(
-                self._send_warm(list(parent.tokens), parent.salt))
+                self._send_warm(list(parent.tokens), parent.salt)
+            )
         await asyncio.shield(fut)
 
     async def _send_warm(self, tokens: list[int], salt: str | None) -> None:
@@ -454,8 +485,11 @@ class UpstreamEngine:
     ) -> AsyncIterator[TokenDelta]:
         url = self._path_url(path)
         self.requests += 1
-        reading = _Reading(ctx, frozenset(sampling.stop_token_ids),
-                           frozenset() if sampling.ignore_eos else self.eos_ids)
+        reading = _Reading(
+            ctx,
+            frozenset(sampling.stop_token_ids),
+            frozenset() if sampling.ignore_eos else self.eos_ids,
+        )
         try:
             async with self._open(url, body) as response:
                 events = sse_events(response.aiter_bytes())
@@ -588,8 +622,9 @@ class _Reading:
         return out
 
 
-def _make_client(headers: dict[str, str], transport: httpx.AsyncBaseTransport | None
-                 ) -> httpx.AsyncClient:
+def _make_client(
+    headers: dict[str, str], transport: httpx.AsyncBaseTransport | None
+) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         headers=headers,
         # no read timeout: a generation may wait long in the upstream's queue; a dead

@@ -82,23 +82,64 @@ def read_load(text: str) -> Load:
     """The load of whichever kind of server wrote `text`."""
     s = parse(text)
     load = Load(
-        running=_int(_sum(s, "llamacpp:requests_processing", "vllm:num_requests_running",
-                          "sglang:num_running_reqs", "parrot_engine_running")),
-        waiting=_int(_sum(s, "llamacpp:requests_deferred", "vllm:num_requests_waiting",
-                          "sglang:num_queue_reqs", "parrot_engine_queue_depth")),
-        kv_usage=_sum(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
-                      "sglang:token_usage", "parrot_kv_usage_ratio"),
+        running=_int(
+            _sum(
+                s,
+                "llamacpp:requests_processing",
+                "vllm:num_requests_running",
+                "sglang:num_running_reqs",
+                "parrot_engine_running",
+            )
+        ),
+        waiting=_int(
+            _sum(
+                s,
+                "llamacpp:requests_deferred",
+                "vllm:num_requests_waiting",
+                "sglang:num_queue_reqs",
+                "parrot_engine_queue_depth",
+            )
+        ),
+        kv_usage=_sum(
+            s,
+            "vllm:kv_cache_usage_perc",
+            "vllm:gpu_cache_usage_perc",
+            "sglang:token_usage",
+            "parrot_kv_usage_ratio",
+        ),
         kv_tokens=_int(_sum(s, "sglang:max_total_num_tokens")),
-        prefix_hits=_int(_sum(s, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits",
-                              "parrot_prefix_cache_hit_tokens_total")),
-        prefix_queries=_int(_sum(s, "vllm:prefix_cache_queries_total",
-                                 "vllm:prefix_cache_queries",
-                                 "parrot_prefix_cache_query_tokens_total")),
-        prompt_tokens=_int(_sum(s, "llamacpp:prompt_tokens_total", "vllm:prompt_tokens_total",
-                                "sglang:prompt_tokens_total")),
-        generated_tokens=_int(_sum(s, "llamacpp:tokens_predicted_total",
-                                   "vllm:generation_tokens_total",
-                                   "sglang:generation_tokens_total")),
+        prefix_hits=_int(
+            _sum(
+                s,
+                "vllm:prefix_cache_hits_total",
+                "vllm:prefix_cache_hits",
+                "parrot_prefix_cache_hit_tokens_total",
+            )
+        ),
+        prefix_queries=_int(
+            _sum(
+                s,
+                "vllm:prefix_cache_queries_total",
+                "vllm:prefix_cache_queries",
+                "parrot_prefix_cache_query_tokens_total",
+            )
+        ),
+        prompt_tokens=_int(
+            _sum(
+                s,
+                "llamacpp:prompt_tokens_total",
+                "vllm:prompt_tokens_total",
+                "sglang:prompt_tokens_total",
+            )
+        ),
+        generated_tokens=_int(
+            _sum(
+                s,
+                "llamacpp:tokens_predicted_total",
+                "vllm:generation_tokens_total",
+                "sglang:generation_tokens_total",
+            )
+        ),
     )
     for sample in s:
         if sample.name == "vllm:cache_config_info" and load.kv_tokens is None:

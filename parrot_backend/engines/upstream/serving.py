@@ -28,23 +28,44 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options for upstream engines."""
-    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
-                        help="an OpenAI-compatible server to run calls on (vLLM, SGLang, "
-                             "llama.cpp: http://host:port/v1); repeatable")
-    parser.add_argument("--upstream-model", default=None, metavar="NAME",
-                        help="the model name to send upstream (default: the first model "
-                             "each upstream lists)")
-    parser.add_argument("--upstream-api-key-env", default=None, metavar="VAR",
-                        help="environment variable holding the upstreams' API key")
-    parser.add_argument("--upstream-tokenizer", default=None, metavar="MODEL",
-                        help="a local model folder or name whose tokenizer the upstreams use "
-                             "(default: the in-process engine's, else the upstream's "
-                             "/tokenize)")
-    parser.add_argument("--upstream-no-warm", action="store_true",
-                        help="do not warm a shared prefix upstream before its calls fan out")
-    parser.add_argument("--no-local-engine", action="store_true",
-                        help="start no in-process engine (calls run on upstream or remote "
-                             "engines only)")
+    parser.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an OpenAI-compatible server to run calls on (vLLM, SGLang, "
+        "llama.cpp: http://host:port/v1); repeatable",
+    )
+    parser.add_argument(
+        "--upstream-model",
+        default=None,
+        metavar="NAME",
+        help="the model name to send upstream (default: the first model each upstream lists)",
+    )
+    parser.add_argument(
+        "--upstream-api-key-env",
+        default=None,
+        metavar="VAR",
+        help="environment variable holding the upstreams' API key",
+    )
+    parser.add_argument(
+        "--upstream-tokenizer",
+        default=None,
+        metavar="MODEL",
+        help="a local model folder or name whose tokenizer the upstreams use "
+        "(default: the in-process engine's, else the upstream's "
+        "/tokenize)",
+    )
+    parser.add_argument(
+        "--upstream-no-warm",
+        action="store_true",
+        help="do not warm a shared prefix upstream before its calls fan out",
+    )
+    parser.add_argument(
+        "--no-local-engine",
+        action="store_true",
+        help="start no in-process engine (calls run on upstream or remote engines only)",
+    )
 
 
 def connect(args: argparse.Namespace, local: Any = None) -> dict[str, UpstreamEngine]:
@@ -63,17 +84,24 @@ def connect(args: argparse.Namespace, local: Any = None) -> dict[str, UpstreamEn
     tokenizer = args.upstream_tokenizer
     if tokenizer is None and local is not None:
         tokenizer = local.tokenizer
-    engines = asyncio.run(connect_all(
-        args.upstream, api_key=api_key, model=args.upstream_model, tokenizer=tokenizer,
-        model_name=local.model_name if local is not None else None,
-        warm_prefixes=not args.upstream_no_warm))
+    engines = asyncio.run(
+        connect_all(
+            args.upstream,
+            api_key=api_key,
+            model=args.upstream_model,
+            tokenizer=tokenizer,
+            model_name=local.model_name if local is not None else None,
+            warm_prefixes=not args.upstream_no_warm,
+        )
+    )
     for i, engine in enumerate(engines):
         log.info("upstream-%d: %r, max %s tokens per request", i, engine, engine.max_model_len)
     return {f"upstream-{i}": e for i, e in enumerate(engines)}
 
 
-def serve_engines(args: argparse.Namespace, local: Any = None
-                  ) -> tuple[dict[str, Any], Any, dict[str, UpstreamEngine]]:
+def serve_engines(
+    args: argparse.Namespace, local: Any = None
+) -> tuple[dict[str, Any], Any, dict[str, UpstreamEngine]]:
     """What `serve` runs on: (the manager's engines, the engine of the OpenAI-compatible
     API, the upstreams). The in-process engine `local` (None with `--no-local-engine`) is
     `engine-0` and serves the OpenAI API; without it the first upstream does. Raises
@@ -87,8 +115,9 @@ def serve_engines(args: argparse.Namespace, local: Any = None
     return engines, front, upstreams
 
 
-async def keep_in_service(manager: Any, upstreams: Mapping[str, UpstreamEngine],
-                          interval_s: float = 5.0) -> None:
+async def keep_in_service(
+    manager: Any, upstreams: Mapping[str, UpstreamEngine], interval_s: float = 5.0
+) -> None:
     """Put back into service an upstream the manager took out (it was unreachable) once it
     answers again; its leftover contexts are dropped first. Runs until cancelled."""
     while True:

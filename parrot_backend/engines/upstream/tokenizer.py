@@ -70,8 +70,15 @@ class HttpTokenizer:
         self.kind = kind
         self.model = model
         self.special_token_ids = dict(specials or {})
-        self._clients = [httpx.Client(base_url=root, headers=headers, timeout=timeout_s,
-                                      trust_env=False, transport=transport)]
+        self._clients = [
+            httpx.Client(
+                base_url=root,
+                headers=headers,
+                timeout=timeout_s,
+                trust_env=False,
+                transport=transport,
+            )
+        ]
         self._cache: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
         self._size = size
         self._warned = False
@@ -92,13 +99,19 @@ class HttpTokenizer:
             self._cache.move_to_end(key)
             return list(hit)
         if self.kind == "llama.cpp":
-            body: dict[str, Any] = {"content": text, "add_special": False,
-                                    "parse_special": not data}
+            body: dict[str, Any] = {
+                "content": text,
+                "add_special": False,
+                "parse_special": not data,
+            }
         else:
             if data and not self._warned:
                 self._warned = True
-                log.warning("%s: its /tokenize cannot keep special-token spellings in values "
-                            "as text; give a local tokenizer to be exact", self.root)
+                log.warning(
+                    "%s: its /tokenize cannot keep special-token spellings in values "
+                    "as text; give a local tokenizer to be exact",
+                    self.root,
+                )
             body = {"model": self.model, "prompt": text, "add_special_tokens": False}
         tokens = self._post("/tokenize", body)["tokens"]
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):

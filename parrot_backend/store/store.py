@@ -8,13 +8,22 @@ from parrot_backend.store import schema
 from parrot_backend.store.calls import CallsMixin
 from parrot_backend.store.db import default_url, make_engine, parse_url
 from parrot_backend.store.events import EventsMixin
+from parrot_backend.store.recovery import RecoveryMixin
 from parrot_backend.store.runs import RunsMixin
 from parrot_backend.store.tenants import TenantsMixin
 from parrot_backend.store.variables import VariablesMixin
 from parrot_backend.store.workflows import WorkflowsMixin
 
 
-class Store(TenantsMixin, WorkflowsMixin, RunsMixin, VariablesMixin, CallsMixin, EventsMixin):
+class Store(
+    TenantsMixin,
+    WorkflowsMixin,
+    RunsMixin,
+    RecoveryMixin,
+    VariablesMixin,
+    CallsMixin,
+    EventsMixin,
+):
     """A SQL store of tenants, workflows, runs, variables, calls and events.
 
     Opening it checks the schema first: with ``upgrade=True`` (the server's default) an

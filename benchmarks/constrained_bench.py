@@ -53,10 +53,15 @@ async def main(args: argparse.Namespace) -> dict:
             rates["constrained"].append(await _round(engine, args.batch, constrained, f"c{r}"))
     free_tps = statistics.median(rates["free"])
     cons_tps = statistics.median(rates["constrained"])
-    return {"model": engine.model_name, "batch": args.batch, "tokens": args.tokens,
-            "rounds": args.rounds, "free_tok_s": round(free_tps, 1),
-            "constrained_tok_s": round(cons_tps, 1),
-            "constrained_over_free": round(cons_tps / free_tps, 3)}
+    return {
+        "model": engine.model_name,
+        "batch": args.batch,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "free_tok_s": round(free_tps, 1),
+        "constrained_tok_s": round(cons_tps, 1),
+        "constrained_over_free": round(cons_tps / free_tps, 3),
+    }
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def measure(setting: dict, loaded: bool) -> dict:
         hog.start()
         time.sleep(0.5)
     try:
-        out = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=600
+        )
     finally:
         if hog is not None:
             stop.set()
@@ -94,7 +95,7 @@ def measure(setting: dict, loaded: bool) -> dict:
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"worker failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main() -> None:
@@ -103,11 +104,15 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated setting names to run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    chosen = {k: v for k, v in SETTINGS.items()
-              if not args.only or any(s.strip() in k for s in args.only.split(","))}
+    chosen = {
+        k: v
+        for k, v in SETTINGS.items()
+        if not args.only or any(s.strip() in k for s in args.only.split(","))
+    }
     results: dict[str, dict[str, list[float]]] = {
         name: {f"{load}_{b}": [] for load in ("quiet", "loaded") for b in ("b1", "b8")}
-        for name in chosen}
+        for name in chosen
+    }
     described = {}
     for r in range(args.rounds):
         for name, setting in chosen.items():  # alternate settings and loads in each round
@@ -117,19 +122,23 @@ def main() -> None:
                 for b in ("b1", "b8"):
                     results[name][f"{load}_{b}"].append(got[b])
                 described[name] = got["threads"]
-                print(f"round {r + 1}: {name:34s} {load:6s} b1 {got['b1']:6.1f} "
-                      f"b8 {got['b8']:6.1f} tok/s  ({got['threads']})", flush=True)
+                print(
+                    f"round {r + 1}: {name:34s} {load:6s} b1 {got['b1']:6.1f} "
+                    f"b8 {got['b8']:6.1f} tok/s  ({got['threads']})",
+                    flush=True,
+                )
     print()
-    print("| setting | quiet b1 | loaded b1 | loaded/quiet | quiet b8 | loaded b8 | "
-          "loaded/quiet |")
+    print("| setting | quiet b1 | loaded b1 | loaded/quiet | quiet b8 | loaded b8 | loaded/quiet |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     table = {}
     for name, series in results.items():
         med = {k: statistics.median(v) for k, v in series.items()}
         table[name] = med
-        print(f"| {name} | {med['quiet_b1']:.1f} | {med['loaded_b1']:.1f} | "
-              f"{med['loaded_b1'] / med['quiet_b1']:.2f} | {med['quiet_b8']:.1f} | "
-              f"{med['loaded_b8']:.1f} | {med['loaded_b8'] / med['quiet_b8']:.2f} |")
+        print(
+            f"| {name} | {med['quiet_b1']:.1f} | {med['loaded_b1']:.1f} | "
+            f"{med['loaded_b1'] / med['quiet_b1']:.2f} | {med['quiet_b8']:.1f} | "
+            f"{med['loaded_b8']:.1f} | {med['loaded_b8'] / med['quiet_b8']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"medians": table, "raw": results, "threads": described}, fh, indent=2)

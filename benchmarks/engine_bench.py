@@ -34,7 +34,7 @@ TEXT = (
 
 def prompts(engine, n: int, length: int) -> list[list[int]]:
     base = engine.tokenize(TEXT * 80)
-    return [base[i * 7: i * 7 + length] for i in range(n)]
+    return [base[i * 7 : i * 7 + length] for i in range(n)]
 
 
 async def engine_run(engine, batch: list[list[int]], max_tokens: int, tag: str):
@@ -86,8 +86,14 @@ def _hf_run(model, batch: list[list[int]], max_tokens: int):
     streamer = FirstToken() if len(batch) == 1 else None
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, pad_token_id=0, streamer=streamer)
+        out = model.generate(
+            ids,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
     total = time.perf_counter() - t0
     ttft = (streamer.first - t0) if streamer and streamer.first else None
     return ttft, total, (out.shape[1] - ids.shape[1]) * len(batch)
@@ -102,20 +108,28 @@ def bench_throughput(engine, model, max_tokens: int, prompt_len: int, reps: int)
         hf_run(model, batch[:1], 2)
         ours, theirs = [], []
         for rep in range(reps):
-            ttft, total, n = asyncio.run(_with(engine, engine_run, batch, max_tokens,
-                                               f"b{bsz}-{rep}-"))
+            ttft, total, n = asyncio.run(
+                _with(engine, engine_run, batch, max_tokens, f"b{bsz}-{rep}-")
+            )
             ours.append((n / total, sum(ttft) / len(ttft)))
             hf_ttft, hf_total, hf_n = hf_run(model, batch, max_tokens)
             theirs.append((hf_n / hf_total, hf_ttft))
         tok_s = statistics.median(o[0] for o in ours)
         hf_tok_s = statistics.median(t[0] for t in theirs)
         hf_ttfts = [t[1] for t in theirs if t[1] is not None]
-        rows.append({
-            "batch": bsz, "prompt_tokens": prompt_len, "new_tokens": max_tokens, "reps": reps,
-            "engine_tok_s": tok_s, "hf_tok_s": hf_tok_s, "speedup": tok_s / hf_tok_s,
-            "engine_ttft_s": statistics.median(o[1] for o in ours),
-            "hf_ttft_s": statistics.median(hf_ttfts) if hf_ttfts else None,
-        })
+        rows.append(
+            {
+                "batch": bsz,
+                "prompt_tokens": prompt_len,
+                "new_tokens": max_tokens,
+                "reps": reps,
+                "engine_tok_s": tok_s,
+                "hf_tok_s": hf_tok_s,
+                "speedup": tok_s / hf_tok_s,
+                "engine_ttft_s": statistics.median(o[1] for o in ours),
+                "hf_ttft_s": statistics.median(hf_ttfts) if hf_ttfts else None,
+            }
+        )
     return rows
 
 
@@ -127,25 +141,25 @@ async def _with(engine, fn, *args):
 def bench_shared_prefix(path, prefix_len: int, n: int, suffix_len: int, max_tokens: int):
     results = {}
     for mode in ("fork", "unshared"):
-        engine = Engine.from_pretrained(path, num_blocks=1024, prefix_cache=False,
-                                        progress=False)
+        engine = Engine.from_pretrained(path, num_blocks=1024, prefix_cache=False, progress=False)
         base = prompts(engine, n + 1, prefix_len + suffix_len)
         prefix = base[0][:prefix_len]
         suffixes = [p[prefix_len:] for p in base[1:]]
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
-        async def go(engine=engine, prefix=prefix, suffixes=suffixes, sampling=sampling,
-                     mode=mode):
+        async def go(engine=engine, prefix=prefix, suffixes=suffixes, sampling=sampling, mode=mode):
             async with engine:
                 await engine.fill("warm", None, prefix[:32])
                 t0 = time.perf_counter()
                 if mode == "fork":
                     await engine.fill("prefix", None, prefix)
-                    await asyncio.gather(*(engine.fill(i, "prefix", s)
-                                           for i, s in enumerate(suffixes)))
+                    await asyncio.gather(
+                        *(engine.fill(i, "prefix", s) for i, s in enumerate(suffixes))
+                    )
                 else:
-                    await asyncio.gather(*(engine.fill(i, None, prefix + s)
-                                           for i, s in enumerate(suffixes)))
+                    await asyncio.gather(
+                        *(engine.fill(i, None, prefix + s) for i, s in enumerate(suffixes))
+                    )
                 prefill = time.perf_counter() - t0
                 used = engine.stats_now().blocks_used
 
@@ -159,11 +173,17 @@ def bench_shared_prefix(path, prefix_len: int, n: int, suffix_len: int, max_toke
         results[mode] = asyncio.run(go())
     fork, plain = results["fork"], results["unshared"]
     return {
-        "prefix_tokens": prefix_len, "requests": n, "suffix_tokens": suffix_len,
-        "fork_prefill_s": fork[0], "unshared_prefill_s": plain[0],
-        "prefill_speedup": plain[0] / fork[0], "fork_total_s": fork[1],
-        "unshared_total_s": plain[1], "total_speedup": plain[1] / fork[1],
-        "fork_blocks": fork[2], "unshared_blocks": plain[2],
+        "prefix_tokens": prefix_len,
+        "requests": n,
+        "suffix_tokens": suffix_len,
+        "fork_prefill_s": fork[0],
+        "unshared_prefill_s": plain[0],
+        "prefill_speedup": plain[0] / fork[0],
+        "fork_total_s": fork[1],
+        "unshared_total_s": plain[1],
+        "total_speedup": plain[1] / fork[1],
+        "fork_blocks": fork[2],
+        "unshared_blocks": plain[2],
         "same_outputs": fork[3] == plain[3],
     }
 
@@ -176,8 +196,9 @@ def bench_memory(path, prefix_len: int, n: int, suffix_len: int) -> dict:
     async def go():
         async with engine:
             await engine.fill("p", None, base[0][:prefix_len])
-            await asyncio.gather(*(engine.fill(i, "p", b[prefix_len:])
-                                   for i, b in enumerate(base[1:])))
+            await asyncio.gather(
+                *(engine.fill(i, "p", b[prefix_len:]) for i, b in enumerate(base[1:]))
+            )
             forked = engine.stats_now().blocks_used
             for i in range(n):
                 await engine.free(i)
@@ -187,8 +208,12 @@ def bench_memory(path, prefix_len: int, n: int, suffix_len: int) -> dict:
             lens = [180, 45, 320, 96, 410, 260, 75, 500]
             sampling = SamplingParams(max_tokens=32, ignore_eos=True)
             mixed = prompts(engine, len(lens), max(lens))
-            await asyncio.gather(*(engine.fill(f"m{i}", None, m[:k])
-                                   for i, (m, k) in enumerate(zip(mixed, lens, strict=True))))
+            await asyncio.gather(
+                *(
+                    engine.fill(f"m{i}", None, m[:k])
+                    for i, (m, k) in enumerate(zip(mixed, lens, strict=True))
+                )
+            )
 
             async def gen(i):
                 return [d async for d in engine.generate(f"m{i}", None, sampling)]
@@ -201,10 +226,14 @@ def bench_memory(path, prefix_len: int, n: int, suffix_len: int) -> dict:
     forked, stored, slots = asyncio.run(go())
     ideal_shared = -(-prefix_len // bs) + n * -(-(prefix_len % bs + suffix_len) // bs)
     return {
-        "forks": n, "prefix_tokens": prefix_len, "suffix_tokens": suffix_len,
-        "fork_kv_tokens": forked * bs, "shared_bound_tokens": ideal_shared * bs,
+        "forks": n,
+        "prefix_tokens": prefix_len,
+        "suffix_tokens": suffix_len,
+        "fork_kv_tokens": forked * bs,
+        "shared_bound_tokens": ideal_shared * bs,
         "unshared_kv_tokens": n * (prefix_len + suffix_len),
-        "mixed_tokens_stored": stored, "mixed_slots_allocated": slots,
+        "mixed_tokens_stored": stored,
+        "mixed_slots_allocated": slots,
         "pool_utilisation": stored / slots,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -214,19 +243,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     ap.add_argument("--json", help="also write the results to this file")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="weights and KV dtype, the same for both sides")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and KV dtype, the same for both sides",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     path = resolve_model(None, progress=True)
     new = 8 if args.quick else 32
-    engine = Engine.from_pretrained(path, num_blocks=2048, prefix_cache=False, progress=False,
-                                    dtype=args.dtype)
+    engine = Engine.from_pretrained(
+        path, num_blocks=2048, prefix_cache=False, progress=False, dtype=args.dtype
+    )
     from transformers import AutoModelForCausalLM
 
-    model = compute_executor().submit(
-        AutoModelForCausalLM.from_pretrained, str(path), dtype=getattr(torch, args.dtype)
-    ).result().eval()
+    model = (
+        compute_executor()
+        .submit(AutoModelForCausalLM.from_pretrained, str(path), dtype=getattr(torch, args.dtype))
+        .result()
+        .eval()
+    )
     out = {
         "dtype": args.dtype,
         "throughput": bench_throughput(engine, model, new, 64, 1 if args.quick else 3),

@@ -1,6 +1,6 @@
 """Peak process memory serving the default model with the default KV pool.
 
-    .venv/bin/python benchmarks/engine_memory.py
+.venv/bin/python benchmarks/engine_memory.py
 """
 
 from __future__ import annotations

@@ -92,12 +92,16 @@ SPECS = [
     Spec("pytest_kernels", "Kernel tests (pytest, compiled kernels)", 300, 150, 20),
     Spec("kernel_sweep", "Kernel correctness sweep vs torch references", 200, 120, 25),
     Spec("engine_logits", "Engine logits vs transformers", 180, 120, 25),
-    Spec("engine_greedy", "Greedy tokens: Triton vs torch backend, fork vs unshared", 180,
-         120, 25),
-    Spec("kernel_speed", "Kernel speed vs HBM bandwidth, shared-prefix gate", 100, 90, 25,
-         timing=True),
-    Spec("bench_attention", "benchmarks/kernels/bench_attention.py", 130, 90, 30,
-         timing=True),
+    Spec("engine_greedy", "Greedy tokens: Triton vs torch backend, fork vs unshared", 180, 120, 25),
+    Spec(
+        "kernel_speed",
+        "Kernel speed vs HBM bandwidth, shared-prefix gate",
+        100,
+        90,
+        25,
+        timing=True,
+    ),
+    Spec("bench_attention", "benchmarks/kernels/bench_attention.py", 130, 90, 30, timing=True),
     Spec("engine_throughput", "Engine decode throughput", 150, 120, 30, timing=True),
 ]
 BY_NAME = {s.name: s for s in SPECS}
@@ -108,22 +112,45 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments; run the sections (parent) or one section (child)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path, help="where results.json / results.md go ($OUT)")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="every section on the CPU, tiny sizes, Triton interpreter")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="overall time budget (default 470 on a GPU, 300 in a dry run)")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="correctness sections run at once (default 3 on a GPU, 2 dry)")
-    ap.add_argument("--max-box-s", type=float, default=None,
-                    help="cap every section's time box (seconds)")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="every section on the CPU, tiny sizes, Triton interpreter",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="overall time budget (default 470 on a GPU, 300 in a dry run)",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="correctness sections run at once (default 3 on a GPU, 2 dry)",
+    )
+    ap.add_argument(
+        "--max-box-s", type=float, default=None, help="cap every section's time box (seconds)"
+    )
     ap.add_argument("--only", default="", help="comma-separated sections to run")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip")
-    ap.add_argument("--dtypes", default=None,
-                    help="engine dtypes (default bfloat16,float16; float32 in a dry run)")
-    ap.add_argument("--sweep-cases", type=int, default=None,
-                    help="cases per kernel in kernel_sweep (default 56; 2 in a dry run)")
-    ap.add_argument("--pytest-workers", type=int, default=6,
-                    help="pytest-xdist workers for the kernel tests when xdist is there")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="engine dtypes (default bfloat16,float16; float32 in a dry run)",
+    )
+    ap.add_argument(
+        "--sweep-cases",
+        type=int,
+        default=None,
+        help="cases per kernel in kernel_sweep (default 56; 2 in a dry run)",
+    )
+    ap.add_argument(
+        "--pytest-workers",
+        type=int,
+        default=6,
+        help="pytest-xdist workers for the kernel tests when xdist is there",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work-dir", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--box-s", type=float, default=60.0, help=argparse.SUPPRESS)
@@ -143,18 +170,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _child_cmd(args: argparse.Namespace, spec: Spec, work: Path, box: float) -> list[str]:
-    cmd = [sys.executable, str(SCRIPT), str(args.out_dir), "--child", spec.name,
-           "--work-dir", str(work), "--box-s", f"{box:.1f}", "--dtypes", args.dtypes,
-           "--sweep-cases", str(args.sweep_cases), "--pytest-workers",
-           str(args.pytest_workers), "--budget-s", str(args.budget_s)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(args.out_dir),
+        "--child",
+        spec.name,
+        "--work-dir",
+        str(work),
+        "--box-s",
+        f"{box:.1f}",
+        "--dtypes",
+        args.dtypes,
+        "--sweep-cases",
+        str(args.sweep_cases),
+        "--pytest-workers",
+        str(args.pytest_workers),
+        "--budget-s",
+        str(args.budget_s),
+    ]
     return cmd + (["--cpu-dry-run"] if args.cpu_dry_run else [])
 
 
 def _child_env(dry: bool) -> dict[str, str]:
     env = dict(os.environ)
     # the package need not be installed on the GPU machine: the working tree is enough
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
-                                     if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded, on either machine
@@ -220,14 +263,21 @@ class Run:
     def launch(self, spec: Spec, box: float, alone: bool) -> None:
         # side-by-side sections write to their own file, copied into the log at their end
         log = None if alone else (self.work / f"{spec.name}.log").open("w")
-        print(f"[gpu_check] {spec.name}: start (box {box:.0f} s, {self.left():.0f} s left"
-              f"{', alone' if alone else ''})", flush=True)
+        print(
+            f"[gpu_check] {spec.name}: start (box {box:.0f} s, {self.left():.0f} s left"
+            f"{', alone' if alone else ''})",
+            flush=True,
+        )
         proc = subprocess.Popen(
-            _child_cmd(self.args, spec, self.work, box), cwd=ROOT, env=_child_env(self.dry),
-            stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+            _child_cmd(self.args, spec, self.work, box),
+            cwd=ROOT,
+            env=_child_env(self.dry),
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            start_new_session=True,
+        )
         self.running[spec.name] = Child(spec, proc, time.time(), box, log)
-        self.report["sections"][spec.name] = {"status": "running", "summary": "",
-                                              "result": {}}
+        self.report["sections"][spec.name] = {"status": "running", "summary": "", "result": {}}
 
     def poll(self) -> None:
         """Record sections that ended; kill those past their box (plus grace for their own
@@ -260,18 +310,23 @@ class Run:
             # no final save: the process died (a segfault, an abort, out of memory)
             rec["status"] = "error"
             rec["error"] = (rec.get("error") or "") + (
-                f"section process died (exit status {c.proc.returncode}); its output is "
-                "in log.txt")
+                f"section process died (exit status {c.proc.returncode}); its output is in log.txt"
+            )
         if not rec.get("summary") and rec.get("error"):
             rec["summary"] = str(rec["error"])[:160]
         self.report["sections"][c.spec.name] = rec
         if c.log is not None:
             c.log.close()
             text = (self.work / f"{c.spec.name}.log").read_text(errors="replace").rstrip()
-            print(f"----- output of {c.spec.name} -----\n{text}\n----- end of "
-                  f"{c.spec.name} -----", flush=True)
-        print(f"[gpu_check] {c.spec.name}: {rec['status']} in {rec['wall_s']} s"
-              f" - {rec.get('summary', '')}", flush=True)
+            print(
+                f"----- output of {c.spec.name} -----\n{text}\n----- end of {c.spec.name} -----",
+                flush=True,
+            )
+        print(
+            f"[gpu_check] {c.spec.name}: {rec['status']} in {rec['wall_s']} s"
+            f" - {rec.get('summary', '')}",
+            flush=True,
+        )
         self.write()
 
     def wait(self, at_most: int) -> None:
@@ -281,8 +336,12 @@ class Run:
             self.poll()
 
     def skip(self, spec: Spec, why: str) -> None:
-        self.report["sections"][spec.name] = {"status": "skipped", "summary": why,
-                                              "wall_s": 0.0, "result": {}}
+        self.report["sections"][spec.name] = {
+            "status": "skipped",
+            "summary": why,
+            "wall_s": 0.0,
+            "result": {},
+        }
         print(f"[gpu_check] {spec.name}: skipped - {why}", flush=True)
         self.write()
 
@@ -290,8 +349,7 @@ class Run:
         self.last_write = time.time()
         self.report["wall_s"] = round(time.time() - self.t0, 1)
         self.report["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        atomic_write(self.out / "results.json", json.dumps(self.report, indent=1,
-                                                           default=str))
+        atomic_write(self.out / "results.json", json.dumps(self.report, indent=1, default=str))
         atomic_write(self.out / "results.md", render_markdown(self.report))
 
 
@@ -311,14 +369,16 @@ def orchestrate(args: argparse.Namespace) -> int:
         alone = spec.timing and not run.dry
         run.wait(0 if alone else max(0, args.jobs - 1))
         env_rec = run.report["sections"].get("env")
-        if (not run.dry and env_rec
-                and env_rec.get("result", {}).get("cuda_available") is False):
+        if not run.dry and env_rec and env_rec.get("result", {}).get("cuda_available") is False:
             run.skip(spec, "no CUDA device")
             continue
         # keep the least time each later section needs
-        later = sum(s.reserve for s in chosen[i + 1:])
-        box = min(spec.box_cpu if run.dry else spec.box_gpu, run.left() - later,
-                  args.max_box_s or math.inf)
+        later = sum(s.reserve for s in chosen[i + 1 :])
+        box = min(
+            spec.box_cpu if run.dry else spec.box_gpu,
+            run.left() - later,
+            args.max_box_s or math.inf,
+        )
         if box < min(max(spec.reserve, 5.0), args.max_box_s or math.inf):
             run.skip(spec, f"budget: {run.left():.0f} s left")
             continue
@@ -330,8 +390,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     shutil.rmtree(run.work, ignore_errors=True)
     statuses = {n: r["status"] for n, r in run.report["sections"].items()}
     print("\n" + render_markdown(run.report, summary_only=True), flush=True)
-    print(f"[gpu_check] wrote {args.out_dir / 'results.json'} and "
-          f"{args.out_dir / 'results.md'} in {run.report['wall_s']} s", flush=True)
+    print(
+        f"[gpu_check] wrote {args.out_dir / 'results.json'} and "
+        f"{args.out_dir / 'results.md'} in {run.report['wall_s']} s",
+        flush=True,
+    )
     return 0 if all(s == "ok" for s in statuses.values()) else 1
 
 
@@ -352,17 +415,16 @@ def atomic_write(path: Path, text: str) -> None:
 
 def git_info() -> dict[str, Any]:
     """Commit and dirtiness of the working tree, if it is a git checkout."""
+
     def git(*a: str) -> str | None:
         try:
-            r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                               timeout=10)
+            r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
     status = git("status", "--porcelain")
-    return {"commit": git("rev-parse", "HEAD"),
-            "dirty": None if status is None else bool(status)}
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 # =============================================================== the child side
@@ -429,10 +491,14 @@ class Ctx:
     def save(self, final: bool = False) -> None:
         """Write the result so far; only the final save says how the section ended (a
         process that dies before it stays "running", which the parent reports as such)."""
-        rec = {"status": self.status() if final else "running", "summary": self.summary,
-               "result": self.result,
-               "failures": self.failures[:50], "error": self.error,
-               "section_s": round(time.time() - self.t0, 1)}
+        rec = {
+            "status": self.status() if final else "running",
+            "summary": self.summary,
+            "result": self.result,
+            "failures": self.failures[:50],
+            "error": self.error,
+            "section_s": round(time.time() - self.t0, 1),
+        }
         atomic_write(self.work / f"{self.name}.json", json.dumps(rec, indent=1, default=str))
 
 
@@ -470,8 +536,9 @@ def child_main(args: argparse.Namespace) -> int:
 def _inject_fault(ctx: Ctx) -> None:
     """GPU_CHECK_FAULT=section:crash|hang|raise[,...] makes a section fail on purpose, so the
     test can show that a crash, a hang or an exception costs only that section."""
-    spec = dict(x.split(":", 1) for x in os.environ.get("GPU_CHECK_FAULT", "").split(",")
-                if ":" in x)
+    spec = dict(
+        x.split(":", 1) for x in os.environ.get("GPU_CHECK_FAULT", "").split(",") if ":" in x
+    )
     kind = spec.get(ctx.name)
     if kind is None:
         return
@@ -488,8 +555,7 @@ def _inject_fault(ctx: Ctx) -> None:
 def _torch_dtype(name: str):
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _dname(dtype) -> str:
@@ -523,8 +589,7 @@ def _randn(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, device=device).to(dtype)
 
 
-def paged_cache(lens: list[int], bs: int, hkv: int, d: int, dtype, device, gen,
-                spare: int = 2):
+def paged_cache(lens: list[int], bs: int, hkv: int, d: int, dtype, device, gen, spare: int = 2):
     """Random K/V caches holding sequences of `lens` tokens in shuffled distinct blocks
     (block 0 and `spare` blocks are never referenced, so their random data must not leak
     into any output). Returns (k_cache, v_cache, block_tables int32)."""
@@ -538,13 +603,14 @@ def paged_cache(lens: list[int], bs: int, hkv: int, d: int, dtype, device, gen,
     table = torch.zeros(len(lens), max(need), dtype=torch.int32)
     used = 0
     for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        table[i, :n] = torch.tensor(perm[used : used + n], dtype=torch.int32)
         used += n
     return kc, vc, table.to(device)
 
 
-def forked_group(prefix_len: int, suffix_lens: list[int], bs: int, hkv: int, d: int, dtype,
-                 device, gen):
+def forked_group(
+    prefix_len: int, suffix_lens: list[int], bs: int, hkv: int, d: int, dtype, device, gen
+):
     """A group forked from one ancestor, laid out as the engine's context tree does: the
     prefix's full blocks are shared; a partly filled last prefix block is copied into each
     member's first own block (copy-on-write) before its own tokens follow.
@@ -570,7 +636,7 @@ def forked_group(prefix_len: int, suffix_lens: list[int], bs: int, hkv: int, d: 
         rows.append(prefix_blocks[:n_full] + mine)
     table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int32)
     for i, r in enumerate(rows):
-        table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
     lens = [prefix_len + s for s in suffix_lens]
     return kc, vc, prefix_blocks, table.to(device), lens
 
@@ -620,9 +686,23 @@ def _free_cuda() -> None:
 
 
 # =============================================================== env
-PACKAGES = ["torch", "triton", "transformers", "tokenizers", "safetensors", "numpy",
-            "accelerate", "filelock", "psutil", "pytest", "pytest-xdist", "pytest-timeout",
-            "pytest-asyncio", "matplotlib", "jinja2"]
+PACKAGES = [
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "accelerate",
+    "filelock",
+    "psutil",
+    "pytest",
+    "pytest-xdist",
+    "pytest-timeout",
+    "pytest-asyncio",
+    "matplotlib",
+    "jinja2",
+]
 
 
 def sec_env(ctx: Ctx) -> None:
@@ -655,10 +735,13 @@ def sec_env(ctx: Ctx) -> None:
             ctx.summary = "no CUDA device"
             return
         p = torch.cuda.get_device_properties(dev)
-        r["device"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
-                       "sms": p.multi_processor_count,
-                       "memory_gib": round(p.total_memory / 2**30, 1),
-                       "l2_mib": round(getattr(p, "L2_cache_size", 0) / 2**20, 1)}
+        r["device"] = {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "sms": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "l2_mib": round(getattr(p, "L2_cache_size", 0) / 2**20, 1),
+        }
     else:
         r["device"] = {"name": "cpu", "threads": torch.get_num_threads()}
     ctx.save()
@@ -674,22 +757,26 @@ def sec_env(ctx: Ctx) -> None:
     ms = bench_ms(lambda: a @ b, dev, rep_ms=100)
     r["bf16_matmul"] = {"n": n, "ms": ms, "tflops": 2 * n**3 / ms / 1e9}
     h = r["hbm"]
-    ctx.summary = (f"{name}; torch {pk['torch']}, triton {pk['triton']}; copy "
-                   f"{h['copy_gbps']:.0f} GB/s, read {h['read_gbps']:.0f} GB/s; bf16 matmul "
-                   f"{r['bf16_matmul']['tflops']:.0f} TFLOP/s")
+    ctx.summary = (
+        f"{name}; torch {pk['torch']}, triton {pk['triton']}; copy "
+        f"{h['copy_gbps']:.0f} GB/s, read {h['read_gbps']:.0f} GB/s; bf16 matmul "
+        f"{r['bf16_matmul']['tflops']:.0f} TFLOP/s"
+    )
 
 
 def _nvidia_smi(ctx: Ctx) -> dict[str, Any]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return {"found": False}
-    q = ("name,driver_version,memory.total,memory.used,pstate,clocks.sm,clocks.max.sm,"
-         "clocks.mem,power.draw,power.limit,temperature.gpu")
+    q = (
+        "name,driver_version,memory.total,memory.used,pstate,clocks.sm,clocks.max.sm,"
+        "clocks.mem,power.draw,power.limit,temperature.gpu"
+    )
     out: dict[str, Any] = {"found": True}
     try:
         out["query"] = subprocess.run(
-            [exe, f"--query-gpu={q}", "--format=csv"], capture_output=True, text=True,
-            timeout=30).stdout.strip()
+            [exe, f"--query-gpu={q}", "--format=csv"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
         full = subprocess.run([exe], capture_output=True, text=True, timeout=30).stdout
         ctx.log("nvidia-smi:\n" + full)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -709,8 +796,14 @@ def measure_bandwidth(device, nbytes: int) -> dict[str, Any]:
     t_read = bench_ms(lambda: torch.sum(src), device, rep_ms=100)
     copy = 2 * nbytes / t_copy / 1e6
     read = nbytes / t_read / 1e6
-    return {"bytes": nbytes, "copy_ms": t_copy, "copy_gbps": copy, "read_ms": t_read,
-            "read_gbps": read, "ceiling_gbps": max(copy, read)}
+    return {
+        "bytes": nbytes,
+        "copy_ms": t_copy,
+        "copy_gbps": copy,
+        "read_ms": t_read,
+        "read_gbps": read,
+        "ceiling_gbps": max(copy, read),
+    }
 
 
 def ceiling_gbps(ctx: Ctx) -> float:
@@ -727,8 +820,16 @@ def sec_pytest_kernels(ctx: Ctx) -> None:
     import importlib.util
 
     junit = ctx.work / "pytest_kernels.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-           f"--junitxml={junit}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+    ]
     env = dict(os.environ)
     if ctx.dry:
         cmd += ["tests/kernels/test_kernel_merge.py"]
@@ -737,17 +838,27 @@ def sec_pytest_kernels(ctx: Ctx) -> None:
         # test_kernel_engine needs the SmolLM2 GGUF (it cannot travel; engine_greedy covers
         # the same check); the bench smoke test runs the interpreter (bench_attention runs
         # the real benchmark)
-        cmd += ["tests/kernels", "--ignore=tests/kernels/test_kernel_engine.py",
-                "--ignore=tests/kernels/test_kernel_bench_smoke.py",
-                "--ignore=tests/kernels/test_gpu_check_dry_run.py"]
+        cmd += [
+            "tests/kernels",
+            "--ignore=tests/kernels/test_kernel_engine.py",
+            "--ignore=tests/kernels/test_kernel_bench_smoke.py",
+            "--ignore=tests/kernels/test_gpu_check_dry_run.py",
+        ]
         env.pop("TRITON_INTERPRET", None)
         if importlib.util.find_spec("xdist") is not None and ctx.args.pytest_workers > 1:
             cmd += ["-n", str(ctx.args.pytest_workers)]
     ctx.result["command"] = " ".join(cmd[1:])
     ctx.log(ctx.result["command"])
     ctx.save()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         text, _ = proc.communicate(timeout=max(5.0, ctx.left()))
     except subprocess.TimeoutExpired:
@@ -768,15 +879,24 @@ def sec_pytest_kernels(ctx: Ctx) -> None:
         ctx.fail(f"{counts['failures']} failed, {counts['errors']} errors")
     elif proc.returncode not in (0, None):
         ctx.fail(f"pytest exited with {proc.returncode}")
-    ctx.summary = (f"{counts['passed']} passed, {counts['failures']} failed, "
-                   f"{counts['errors']} errors, {counts['skipped']} skipped "
-                   f"({counts['time_s']:.0f} s)")
+    ctx.summary = (
+        f"{counts['passed']} passed, {counts['failures']} failed, "
+        f"{counts['errors']} errors, {counts['skipped']} skipped "
+        f"({counts['time_s']:.0f} s)"
+    )
 
 
 def parse_junit(path: Path) -> dict[str, Any]:
     """Counts and failing test ids from a JUnit XML report."""
-    out: dict[str, Any] = {"tests": 0, "passed": 0, "failures": 0, "errors": 0,
-                           "skipped": 0, "time_s": 0.0, "failed": []}
+    out: dict[str, Any] = {
+        "tests": 0,
+        "passed": 0,
+        "failures": 0,
+        "errors": 0,
+        "skipped": 0,
+        "time_s": 0.0,
+        "failed": [],
+    }
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -806,8 +926,13 @@ def _sweep_pools(ctx: Ctx):
 
     if ctx.dry:  # the interpreter: fp32/fp16 only (its bf16 tl.dot is wrong), tiny heads
         return [(4, 2, 64), (2, 2, 128)], [16, 32], [torch.float32, torch.float16], None
-    heads = [HEAD_SHAPES["smollm2"], HEAD_SHAPES["llama3-8b"], (8, 8, 64), (28, 4, 128),
-             (64, 8, 128)]  # GQA 3, 4, 1 (MHA), 7 (Qwen2-7B), 8 (Llama-3-70B)
+    heads = [
+        HEAD_SHAPES["smollm2"],
+        HEAD_SHAPES["llama3-8b"],
+        (8, 8, 64),
+        (28, 4, 128),
+        (64, 8, 128),
+    ]  # GQA 3, 4, 1 (MHA), 7 (Qwen2-7B), 8 (Llama-3-70B)
     return heads, [16, 32], [torch.bfloat16, torch.float16], torch.float32
 
 
@@ -841,8 +966,7 @@ def sweep_decode(ctx: Ctx, i: int) -> dict[str, Any]:
     else:
         n = rng.choice([1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 200, 256])
         max_len = min(16384, max(64, 262144 // n))
-    lens = [_edge(rng, bs, max_len) if j % 5 == 0 else rng.randint(1, max_len)
-            for j in range(n)]
+    lens = [_edge(rng, bs, max_len) if j % 5 == 0 else rng.randint(1, max_len) for j in range(n)]
     kv_start = [rng.randint(0, x) for x in lens] if i % 4 == 3 else None
     splits = {5: 1, 4: 4}.get(i % 6)  # mostly the launcher's own choice
     gen = _gen(dev, i)
@@ -850,13 +974,20 @@ def sweep_decode(ctx: Ctx, i: int) -> dict[str, Any]:
     q = _randn((n, hq, d), dtype, dev, gen)
     scale = d**-0.5
     out = poisoned((n, hq, d), dtype, dev)
-    got, got_lse = paged_decode_triton(q, kc, vc, tables, lens, scale, kv_start=kv_start,
-                                       num_splits=splits, out=out)
+    got, got_lse = paged_decode_triton(
+        q, kc, vc, tables, lens, scale, kv_start=kv_start, num_splits=splits, out=out
+    )
     want, want_lse = paged_decode_ref(q, kc, vc, tables, lens, scale, kv_start=kv_start)
-    desc = (f"hq={hq} hkv={hkv} d={d} bs={bs} {_dname(dtype)} seqs={n} max_len={max(lens)}"
-            f"{' kv_start' if kv_start else ''}{f' splits={splits}' if splits else ''}")
-    return _verdict(desc, dtype, [("out", got, want, TOL), ("lse", got_lse, want_lse,
-                                                             LSE_TOL)], strict=(got, want))
+    desc = (
+        f"hq={hq} hkv={hkv} d={d} bs={bs} {_dname(dtype)} seqs={n} max_len={max(lens)}"
+        f"{' kv_start' if kv_start else ''}{f' splits={splits}' if splits else ''}"
+    )
+    return _verdict(
+        desc,
+        dtype,
+        [("out", got, want, TOL), ("lse", got_lse, want_lse, LSE_TOL)],
+        strict=(got, want),
+    )
 
 
 def sweep_extend(ctx: Ctx, i: int) -> dict[str, Any]:
@@ -887,8 +1018,10 @@ def sweep_extend(ctx: Ctx, i: int) -> dict[str, Any]:
     out = poisoned(tuple(q.shape), dtype, dev)
     got = extend_attention_triton(q, kc, vc, tables, starts, lens, scale, out=out)
     want = extend_attention_ref(q, kc, vc, tables, starts, lens, scale)
-    desc = (f"hq={hq} hkv={hkv} d={d} bs={bs} {_dname(dtype)} seqs={n} new={sum(new)} "
-            f"max_cached={max(cached)}")
+    desc = (
+        f"hq={hq} hkv={hkv} d={d} bs={bs} {_dname(dtype)} seqs={n} new={sum(new)} "
+        f"max_cached={max(cached)}"
+    )
     return _verdict(desc, dtype, [("out", got, want, TOL)], strict=(got, want))
 
 
@@ -908,8 +1041,9 @@ def sweep_shared_prefix(ctx: Ctx, i: int) -> dict[str, Any]:
         prefix = rng.choice([0, 1, bs + 1, 2 * bs + 3])
         group, smax = rng.choice([1, 3]), 17
     else:  # prefix lengths mostly not block-aligned
-        prefix = rng.choice([0, 1, bs - 1, bs, bs + 1, 100, 255, 257, 1000, 1023, 2049,
-                             4097, 8191, 8200])
+        prefix = rng.choice(
+            [0, 1, bs - 1, bs, bs + 1, 100, 255, 257, 1000, 1023, 2049, 4097, 8191, 8200]
+        )
         group, smax = rng.choice([1, 2, 3, 8, 17, 64, 128, 256]), 64
     suffixes = [rng.randint(1, smax) for _ in range(group)]
     gen = _gen(dev, 100 + i)
@@ -917,16 +1051,26 @@ def sweep_shared_prefix(ctx: Ctx, i: int) -> dict[str, Any]:
     q = _randn((group, hq, d), dtype, dev, gen)
     scale = d**-0.5
     out = poisoned((group, hq, d), dtype, dev)
-    got, got_lse = shared_prefix_decode_triton(q, kc, vc, tables, lens, prefix, blocks,
-                                               scale, out=out)
+    got, got_lse = shared_prefix_decode_triton(
+        q, kc, vc, tables, lens, prefix, blocks, scale, out=out
+    )
     want, want_lse = shared_prefix_decode_ref(q, kc, vc, tables, lens, prefix, blocks, scale)
     # the shared path must also equal plain decode over each member's own (COW) blocks
     plain, _ = paged_decode_ref(q, kc, vc, tables, lens, scale)
-    desc = (f"hq={hq} hkv={hkv} d={d} bs={bs} {_dname(dtype)} prefix={prefix} "
-            f"group={group} max_suffix={max(suffixes)}")
-    return _verdict(desc, dtype, [("out", got, want, TOL), ("lse", got_lse, want_lse,
-                                                             LSE_TOL),
-                                  ("vs_plain", got, plain, TOL)], strict=(got, want))
+    desc = (
+        f"hq={hq} hkv={hkv} d={d} bs={bs} {_dname(dtype)} prefix={prefix} "
+        f"group={group} max_suffix={max(suffixes)}"
+    )
+    return _verdict(
+        desc,
+        dtype,
+        [
+            ("out", got, want, TOL),
+            ("lse", got_lse, want_lse, LSE_TOL),
+            ("vs_plain", got, plain, TOL),
+        ],
+        strict=(got, want),
+    )
 
 
 def sweep_kv_store(ctx: Ctx, i: int) -> dict[str, Any]:
@@ -948,21 +1092,29 @@ def sweep_kv_store(ctx: Ctx, i: int) -> dict[str, Any]:
     src_dtype = torch.float32 if i % 5 == 4 else dtype  # casting into the cache dtype
     if i % 3 == 2:  # k and v sliced out of one fused projection: row stride > row
         fused = _randn((t, 3 * hkv, d), src_dtype, dev, gen)
-        k, v = fused[:, hkv:2 * hkv], fused[:, 2 * hkv:]
+        k, v = fused[:, hkv : 2 * hkv], fused[:, 2 * hkv :]
     else:
-        k, v = _randn((t, hkv, d), src_dtype, dev, gen), _randn((t, hkv, d), src_dtype,
-                                                                dev, gen)
+        k, v = _randn((t, hkv, d), src_dtype, dev, gen), _randn((t, hkv, d), src_dtype, dev, gen)
     caches = [poisoned((nb, bs, hkv, d), dtype, dev) for _ in range(4)]
     store_kv_ref(k, v, caches[0], caches[1], slots)
     store_kv_triton(k, v, caches[2], caches[3], slots)
-    exact = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
-                and torch.equal(a.isnan(), b.isnan())
-                for a, b in ((caches[2], caches[0]), (caches[3], caches[1])))
-    desc = (f"hkv={hkv} d={d} bs={bs} {_dname(dtype)} tokens={t}"
-            f"{' strided' if i % 3 == 2 else ''}{' from-fp32' if i % 5 == 4 else ''}")
-    return {"desc": desc, "dtype": _dname(dtype), "ok": exact, "strict": exact,
-            "max_abs": 0.0 if exact else float("nan"), "rel_l2": 0.0 if exact else
-            float("nan"), "checks": {"exact": exact}}
+    exact = all(
+        torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
+        for a, b in ((caches[2], caches[0]), (caches[3], caches[1]))
+    )
+    desc = (
+        f"hkv={hkv} d={d} bs={bs} {_dname(dtype)} tokens={t}"
+        f"{' strided' if i % 3 == 2 else ''}{' from-fp32' if i % 5 == 4 else ''}"
+    )
+    return {
+        "desc": desc,
+        "dtype": _dname(dtype),
+        "ok": exact,
+        "strict": exact,
+        "max_abs": 0.0 if exact else float("nan"),
+        "rel_l2": 0.0 if exact else float("nan"),
+        "checks": {"exact": exact},
+    }
 
 
 def sweep_merge(ctx: Ctx, i: int) -> dict[str, Any]:
@@ -987,21 +1139,36 @@ def sweep_merge(ctx: Ctx, i: int) -> dict[str, Any]:
     got, got_lse = merge_states_triton(o, lse, dtype, out=out)
     want, want_lse = merge_states_ref(o, lse, dtype)
     desc = f"hq={hq} d={d} {_dname(dtype)} parts={parts} rows={rows}"
-    return _verdict(desc, dtype, [("out", got, want, TOL), ("lse", got_lse, want_lse,
-                                                             LSE_TOL)], strict=(got, want))
+    return _verdict(
+        desc,
+        dtype,
+        [("out", got, want, TOL), ("lse", got_lse, want_lse, LSE_TOL)],
+        strict=(got, want),
+    )
 
 
 def _verdict(desc: str, dtype, checks, strict) -> dict[str, Any]:
     name = _dname(dtype)
     res = {k: compare(g, w, *tol[name]) for k, g, w, tol in checks}
     s = compare(*strict, *STRICT[name])
-    return {"desc": desc, "dtype": name, "ok": all(r["ok"] for r in res.values()),
-            "strict": s["ok"], "max_abs": res["out"]["max_abs"],
-            "rel_l2": res["out"]["rel_l2"], "checks": {k: r["ok"] for k, r in res.items()}}
+    return {
+        "desc": desc,
+        "dtype": name,
+        "ok": all(r["ok"] for r in res.values()),
+        "strict": s["ok"],
+        "max_abs": res["out"]["max_abs"],
+        "rel_l2": res["out"]["rel_l2"],
+        "checks": {k: r["ok"] for k, r in res.items()},
+    }
 
 
-SWEEPS = {"kv_store": sweep_kv_store, "paged_decode": sweep_decode, "extend": sweep_extend,
-          "shared_prefix": sweep_shared_prefix, "merge": sweep_merge}
+SWEEPS = {
+    "kv_store": sweep_kv_store,
+    "paged_decode": sweep_decode,
+    "extend": sweep_extend,
+    "shared_prefix": sweep_shared_prefix,
+    "merge": sweep_merge,
+}
 
 
 def sec_kernel_sweep(ctx: Ctx) -> None:
@@ -1018,15 +1185,29 @@ def sec_kernel_sweep(ctx: Ctx) -> None:
             if not ctx.enough(2.0):
                 stop = True
                 break
-            k = per.setdefault(kname, {"cases": 0, "passed": 0, "strict_passed": 0,
-                                       "max_abs_err": 0.0, "max_rel_l2": 0.0, "worst": "",
-                                       "rows": []})
+            k = per.setdefault(
+                kname,
+                {
+                    "cases": 0,
+                    "passed": 0,
+                    "strict_passed": 0,
+                    "max_abs_err": 0.0,
+                    "max_rel_l2": 0.0,
+                    "worst": "",
+                    "rows": [],
+                },
+            )
             try:
                 row = fn(ctx, i)
             except Exception as exc:  # a launch error is a failed case, not the section
-                row = {"desc": f"case {i}", "ok": False, "strict": False,
-                       "max_abs": float("nan"), "rel_l2": float("nan"),
-                       "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                row = {
+                    "desc": f"case {i}",
+                    "ok": False,
+                    "strict": False,
+                    "max_abs": float("nan"),
+                    "rel_l2": float("nan"),
+                    "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                }
             k["cases"] += 1
             k["passed"] += row["ok"]
             k["strict_passed"] += row["strict"]
@@ -1044,8 +1225,7 @@ def sec_kernel_sweep(ctx: Ctx) -> None:
         if stop:
             break
     ctx.result["cases"] = total
-    ctx.summary = (f"{len(per)} kernels, {total} cases ({n} per kernel asked), "
-                   f"{failed} failed")
+    ctx.summary = f"{len(per)} kernels, {total} cases ({n} per kernel asked), {failed} failed"
 
 
 # =============================================================== models
@@ -1058,43 +1238,92 @@ def model_config(kind: str, dry: bool, layers: int | None = None):
     from transformers import LlamaConfig
 
     if dry:
-        shapes = {"smollm2": dict(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, tie_word_embeddings=True,
-                                  rope_theta=100000.0),
-                  "llama3-8b": dict(vocab_size=768, hidden_size=128, intermediate_size=384,
-                                    num_hidden_layers=2, num_attention_heads=2,
-                                    num_key_value_heads=1, tie_word_embeddings=False,
-                                    rope_theta=500000.0),
-                  "peaked": dict(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, tie_word_embeddings=True,
-                                 rope_theta=10000.0)}
+        shapes = {
+            "smollm2": dict(
+                vocab_size=512,
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                rope_theta=100000.0,
+            ),
+            "llama3-8b": dict(
+                vocab_size=768,
+                hidden_size=128,
+                intermediate_size=384,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                tie_word_embeddings=False,
+                rope_theta=500000.0,
+            ),
+            "peaked": dict(
+                vocab_size=512,
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                rope_theta=10000.0,
+            ),
+        }
     else:
-        shapes = {"smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                  num_hidden_layers=30, num_attention_heads=9,
-                                  num_key_value_heads=3, tie_word_embeddings=True,
-                                  rope_theta=100000.0),
-                  "llama3-8b": dict(vocab_size=128256, hidden_size=4096,
-                                    intermediate_size=14336, num_hidden_layers=32,
-                                    num_attention_heads=32, num_key_value_heads=8,
-                                    tie_word_embeddings=False, rope_theta=500000.0),
-                  "peaked": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024,
-                                 num_hidden_layers=2, num_attention_heads=8,
-                                 num_key_value_heads=2, tie_word_embeddings=True,
-                                 rope_theta=10000.0)}
+        shapes = {
+            "smollm2": dict(
+                vocab_size=49152,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_hidden_layers=30,
+                num_attention_heads=9,
+                num_key_value_heads=3,
+                tie_word_embeddings=True,
+                rope_theta=100000.0,
+            ),
+            "llama3-8b": dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                tie_word_embeddings=False,
+                rope_theta=500000.0,
+            ),
+            "peaked": dict(
+                vocab_size=4096,
+                hidden_size=512,
+                intermediate_size=1024,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                rope_theta=10000.0,
+            ),
+        }
     kw = dict(shapes[kind])
     if layers is not None:
         kw["num_hidden_layers"] = layers
-    return LlamaConfig(max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1,
-                       eos_token_id=2, initializer_range=5.0 / math.sqrt(kw["hidden_size"]),
-                       architectures=["LlamaForCausalLM"], **kw)
+    return LlamaConfig(
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=5.0 / math.sqrt(kw["hidden_size"]),
+        architectures=["LlamaForCausalLM"],
+        **kw,
+    )
 
 
 def model_label(kind: str, dry: bool, layers: int | None = None) -> str:
     """How a model is named in the report."""
-    base = {"smollm2": "SmolLM2-135M-shape", "llama3-8b": "Llama-3-8B-shape",
-            "peaked": "peaked-2L"}[kind]
+    base = {
+        "smollm2": "SmolLM2-135M-shape",
+        "llama3-8b": "Llama-3-8B-shape",
+        "peaked": "peaked-2L",
+    }[kind]
     if dry:
         base = f"tiny {base}"
     return base + (f" ({layers} layers)" if layers is not None else "")
@@ -1112,8 +1341,9 @@ def synthetic_tokenizer(vocab_size: int):
     vocab["<unk>"] = 0
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1",
-                                   eos_token="t2")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2"
+    )
 
 
 def save_random_checkpoint(cfg, path: Path, device, seed: int) -> Path:
@@ -1135,8 +1365,7 @@ def save_random_checkpoint(cfg, path: Path, device, seed: int) -> Path:
     return path
 
 
-def engine_in_memory(cfg, dtype, device, *, num_blocks: int, seed: int,
-                     max_num_seqs: int = 64):
+def engine_in_memory(cfg, dtype, device, *, num_blocks: int, seed: int, max_num_seqs: int = 64):
     """An Engine over a random model built directly in device memory (a Llama-3-8B would
     take minutes to initialise on the CPU and 16 GB to save and load)."""
     import torch
@@ -1158,11 +1387,24 @@ def engine_in_memory(cfg, dtype, device, *, num_blocks: int, seed: int,
                     p.normal_(0.0, cfg.initializer_range, generator=gen)
         model.model.rotary = Rotary(cfg, max_pos).to(device)
         model.fuse()
-        config = EngineConfig(model="random", dtype=_dname(dtype), device=str(device),
-                              num_blocks=num_blocks, prefix_cache=False,
-                              attention_backend="torch", max_num_seqs=max_num_seqs)
-        return Engine(model.eval(), cfg, synthetic_tokenizer(cfg.vocab_size), config,
-                      device=device, dtype=dtype, model_name="random")
+        config = EngineConfig(
+            model="random",
+            dtype=_dname(dtype),
+            device=str(device),
+            num_blocks=num_blocks,
+            prefix_cache=False,
+            attention_backend="torch",
+            max_num_seqs=max_num_seqs,
+        )
+        return Engine(
+            model.eval(),
+            cfg,
+            synthetic_tokenizer(cfg.vocab_size),
+            config,
+            device=device,
+            dtype=dtype,
+            model_name="random",
+        )
 
     return compute_executor().submit(build).result()
 
@@ -1171,9 +1413,15 @@ def load_engine(path: Path, dtype_name: str, backend: str, device, num_blocks: i
     """An Engine over a saved checkpoint, through the engine's own loader."""
     from parrot_backend.engine.engine import Engine
 
-    return Engine.from_pretrained(path, dtype=dtype_name, device=str(device),
-                                  attention_backend=backend, num_blocks=num_blocks,
-                                  prefix_cache=False, progress=False)
+    return Engine.from_pretrained(
+        path,
+        dtype=dtype_name,
+        device=str(device),
+        attention_backend=backend,
+        num_blocks=num_blocks,
+        prefix_cache=False,
+        progress=False,
+    )
 
 
 def step_logits(engine, cid, tokens: list[int]):
@@ -1212,10 +1460,12 @@ def drop_context(engine, cid) -> None:
 def logit_metrics(got, ref) -> dict[str, float]:
     """Relative L2 and max abs error of logits, and how often the argmax agrees."""
     g, r = got.float(), ref.float()
-    return {"rel_l2": float((g - r).norm() / r.norm()),
-            "max_abs": float((g - r).abs().max()),
-            "top1": float((g.argmax(-1) == r.argmax(-1)).float().mean()),
-            "nan": bool(g.isnan().any())}
+    return {
+        "rel_l2": float((g - r).norm() / r.norm()),
+        "max_abs": float((g - r).abs().max()),
+        "top1": float((g.argmax(-1) == r.argmax(-1)).float().mean()),
+        "nan": bool(g.isnan().any()),
+    }
 
 
 # =============================================================== engine_logits
@@ -1234,8 +1484,10 @@ def sec_engine_logits(ctx: Ctx) -> None:
         models = models[1:]  # the same code path; the dry run must stay short
     rows = ctx.result.setdefault("rows", [])
     ctx.result["positions"] = {"prefill": p_len, "decode": d_len}
-    ctx.result["criterion"] = ("rel L2 vs fp32 transformers <= max(2 x transformers' own "
-                               f"rel L2 in that dtype, floor {LOGIT_FLOOR})")
+    ctx.result["criterion"] = (
+        "rel L2 vs fp32 transformers <= max(2 x transformers' own "
+        f"rel L2 in that dtype, floor {LOGIT_FLOOR})"
+    )
     for mi, (kind, layers) in enumerate(models):
         if not ctx.enough(10):
             break
@@ -1247,7 +1499,8 @@ def sec_engine_logits(ctx: Ctx) -> None:
 
         def hf_logits(dtype, ckpt=ckpt, ids=ids):
             model = AutoModelForCausalLM.from_pretrained(
-                str(ckpt), dtype=dtype, device_map=str(dev) if dev.type == "cuda" else None)
+                str(ckpt), dtype=dtype, device_map=str(dev) if dev.type == "cuda" else None
+            )
             with torch.no_grad():
                 out = model(ids[None].to(dev)).logits[0].float()
             del model
@@ -1259,8 +1512,11 @@ def sec_engine_logits(ctx: Ctx) -> None:
             if not ctx.enough(5):
                 break
             dtype = _torch_dtype(dname)
-            hf = logit_metrics(hf_logits(dtype), ref) if dtype != torch.float32 else {
-                "rel_l2": 0.0, "max_abs": 0.0, "top1": 1.0, "nan": False}
+            hf = (
+                logit_metrics(hf_logits(dtype), ref)
+                if dtype != torch.float32
+                else {"rel_l2": 0.0, "max_abs": 0.0, "top1": 1.0, "nan": False}
+            )
             eng = load_engine(ckpt, dname, "triton", dev, num_blocks=64)
             for backend in ("triton", "torch"):
                 # one engine, two backends: the same weights and KV pool, a context each
@@ -1271,31 +1527,42 @@ def sec_engine_logits(ctx: Ctx) -> None:
                 m = logit_metrics(ours, ref)
                 bound = max(2 * hf["rel_l2"], LOGIT_FLOOR[dname])
                 ok = m["rel_l2"] <= bound and not m["nan"]
-                rows.append({"model": label, "dtype": dname, "backend": backend, **m,
-                             "hf_rel_l2": hf["rel_l2"], "hf_top1": hf["top1"],
-                             "bound": bound, "ok": ok,
-                             "decode_rel_l2": logit_metrics(ours[p_len:], ref[p_len:])[
-                                 "rel_l2"]})
+                rows.append(
+                    {
+                        "model": label,
+                        "dtype": dname,
+                        "backend": backend,
+                        **m,
+                        "hf_rel_l2": hf["rel_l2"],
+                        "hf_top1": hf["top1"],
+                        "bound": bound,
+                        "ok": ok,
+                        "decode_rel_l2": logit_metrics(ours[p_len:], ref[p_len:])["rel_l2"],
+                    }
+                )
                 if not ok:
-                    ctx.fail(f"{label} {dname} {backend}: rel L2 {m['rel_l2']:.3g} > "
-                             f"{bound:.3g}")
-                ctx.log(f"{label} {dname} {backend}: rel {m['rel_l2']:.3g} (hf "
-                        f"{hf['rel_l2']:.3g}) top1 {m['top1']:.3f}")
+                    ctx.fail(f"{label} {dname} {backend}: rel L2 {m['rel_l2']:.3g} > {bound:.3g}")
+                ctx.log(
+                    f"{label} {dname} {backend}: rel {m['rel_l2']:.3g} (hf "
+                    f"{hf['rel_l2']:.3g}) top1 {m['top1']:.3f}"
+                )
                 ctx.save()
             del eng
             _free_cuda()
         del ref
         _free_cuda()
     worst = max((r["rel_l2"] / r["bound"] for r in rows), default=float("nan"))
-    ctx.summary = (f"{len(rows)} engine runs, {sum(r['ok'] for r in rows)} within bound; "
-                   f"worst error {worst:.2f} of its bound")
+    ctx.summary = (
+        f"{len(rows)} engine runs, {sum(r['ok'] for r in rows)} within bound; "
+        f"worst error {worst:.2f} of its bound"
+    )
 
 
 # =============================================================== engine_greedy
 def counting_backend(gate: str):
     """A TritonAttention whose sharing gate is real, always or never, counting the decode
     rows the engine puts into prefix groups (so a run proves the shared path ran)."""
-    from parrot_backend.kernels.backend import TritonAttention
+    from parrot_backend.engine.triton_attention import TritonAttention
 
     class Counting(TritonAttention):
         def __init__(self) -> None:
@@ -1319,8 +1586,9 @@ def counting_backend(gate: str):
     return Counting()
 
 
-async def _forked_tokens(engine, prefix: list[int], suffixes: list[list[int]], n_new: int,
-                         fork: bool) -> list[list[int]]:
+async def _forked_tokens(
+    engine, prefix: list[int], suffixes: list[list[int]], n_new: int, fork: bool
+) -> list[list[int]]:
     """Children of one filled parent (fork) or whole prompts (unshared) generate greedily
     together; returns each one's tokens. Frees everything it made."""
     from parrot_backend.contract.sampling import SamplingParams
@@ -1372,15 +1640,27 @@ def sec_engine_greedy(ctx: Ctx) -> None:
     else:
         prefix_len, n_new, gate = 300, 24, "real"
         suffix_lens = [1, 2, 3, 5, 8, 13, 16, 17, 20, 7, 11, 4]
-    plan = [("peaked", ["float32", *[d for d in ctx.dtypes if d != "float32"]]),
-            ("smollm2", ctx.dtypes)][:1 if ctx.dry else 2]
-    ctx.result.update({"prefix_len": prefix_len, "children": len(suffix_lens),
-                       "new_tokens": n_new, "gate": gate, "runs": [], "comparisons": []})
-    pairs = [("triton/fork", "torch/fork", "Triton vs torch backend"),
-             ("triton_plain/fork", "torch/fork", "Triton plain decode vs torch"),
-             ("triton/fork", "triton_plain/fork", "shared-prefix path vs plain decode"),
-             ("triton/fork", "triton/unshared", "fork vs unshared (Triton)"),
-             ("torch/fork", "torch/unshared", "fork vs unshared (torch)")]
+    plan = [
+        ("peaked", ["float32", *[d for d in ctx.dtypes if d != "float32"]]),
+        ("smollm2", ctx.dtypes),
+    ][: 1 if ctx.dry else 2]
+    ctx.result.update(
+        {
+            "prefix_len": prefix_len,
+            "children": len(suffix_lens),
+            "new_tokens": n_new,
+            "gate": gate,
+            "runs": [],
+            "comparisons": [],
+        }
+    )
+    pairs = [
+        ("triton/fork", "torch/fork", "Triton vs torch backend"),
+        ("triton_plain/fork", "torch/fork", "Triton plain decode vs torch"),
+        ("triton/fork", "triton_plain/fork", "shared-prefix path vs plain decode"),
+        ("triton/fork", "triton/unshared", "fork vs unshared (Triton)"),
+        ("torch/fork", "torch/unshared", "fork vs unshared (torch)"),
+    ]
     for mi, (kind, dtypes) in enumerate(plan):
         cfg = model_config(kind, ctx.dry)
         label = model_label(kind, ctx.dry)
@@ -1389,58 +1669,104 @@ def sec_engine_greedy(ctx: Ctx) -> None:
         ckpt = save_random_checkpoint(cfg, ctx.work / f"ckpt-greedy-{kind}", dev, seed=10 + mi)
         g = torch.Generator().manual_seed(3 + mi)
         prefix = torch.randint(3, cfg.vocab_size, (prefix_len,), generator=g).tolist()
-        suffixes = [torch.randint(3, cfg.vocab_size, (k,), generator=g).tolist()
-                    for k in suffix_lens]
+        suffixes = [
+            torch.randint(3, cfg.vocab_size, (k,), generator=g).tolist() for k in suffix_lens
+        ]
         for dname in dtypes:
             if not ctx.enough(8):
                 break
             eng = load_engine(ckpt, dname, "torch", dev, num_blocks=512)
-            backends = {"torch": TorchAttention(), "triton": counting_backend(gate),
-                        "triton_plain": counting_backend("never")}
+            backends = {
+                "torch": TorchAttention(),
+                "triton": counting_backend(gate),
+                "triton_plain": counting_backend("never"),
+            }
             outs: dict[str, list[list[int]]] = {}
-            for run in ("torch/fork", "torch/unshared", "triton/fork", "triton/unshared",
-                        "triton_plain/fork"):
+            for run in (
+                "torch/fork",
+                "torch/unshared",
+                "triton/fork",
+                "triton/unshared",
+                "triton_plain/fork",
+            ):
                 bname, mode = run.split("/")
                 eng.runner.backend = backends[bname]
                 t0 = time.perf_counter()
-                outs[run] = asyncio.run(_forked_tokens(eng, prefix, suffixes, n_new,
-                                                       mode == "fork"))
-                ctx.result["runs"].append({"model": label, "dtype": dname, "run": run,
-                                           "s": round(time.perf_counter() - t0, 3)})
+                outs[run] = asyncio.run(
+                    _forked_tokens(eng, prefix, suffixes, n_new, mode == "fork")
+                )
+                ctx.result["runs"].append(
+                    {
+                        "model": label,
+                        "dtype": dname,
+                        "run": run,
+                        "s": round(time.perf_counter() - t0, 3),
+                    }
+                )
             grouped = backends["triton"].grouped_rows
             if grouped == 0:
                 ctx.fail(f"{label} {dname}: no decode step took the shared-prefix path")
             for a, b, what in pairs:
-                diff = [i for i, (x, y) in enumerate(zip(outs[a], outs[b], strict=True))
-                        if x != y]
+                diff = [i for i, (x, y) in enumerate(zip(outs[a], outs[b], strict=True)) if x != y]
                 ties_ok = True
                 for i in diff:  # the first divergence of each sequence (later ones follow)
-                    j = next(k for k, (x, y) in enumerate(zip(outs[a][i], outs[b][i],
-                                                              strict=True)) if x != y)
+                    j = next(
+                        k
+                        for k, (x, y) in enumerate(zip(outs[a][i], outs[b][i], strict=True))
+                        if x != y
+                    )
                     prompt = prefix + suffixes[i] + outs[a][i][:j]
-                    ties_ok &= _near_tie(eng, backends, a.split("/")[0], b.split("/")[0],
-                                         prompt, outs[a][i][j], outs[b][i][j])
+                    ties_ok &= _near_tie(
+                        eng,
+                        backends,
+                        a.split("/")[0],
+                        b.split("/")[0],
+                        prompt,
+                        outs[a][i][j],
+                        outs[b][i][j],
+                    )
                 ok = not diff or ties_ok
                 n_tok = sum(len(x) for x in outs[a])
-                same_tok = sum(p == q for x, y in zip(outs[a], outs[b], strict=True)
-                               for p, q in zip(x, y, strict=True))
-                ctx.result["comparisons"].append({
-                    "model": label, "dtype": dname, "what": what, "a": a, "b": b,
-                    "identical": not diff, "seqs_differ": len(diff),
-                    "token_match": same_tok / max(1, n_tok), "near_ties_ok": ties_ok,
-                    "ok": ok, "grouped_rows": grouped})
+                same_tok = sum(
+                    p == q
+                    for x, y in zip(outs[a], outs[b], strict=True)
+                    for p, q in zip(x, y, strict=True)
+                )
+                ctx.result["comparisons"].append(
+                    {
+                        "model": label,
+                        "dtype": dname,
+                        "what": what,
+                        "a": a,
+                        "b": b,
+                        "identical": not diff,
+                        "seqs_differ": len(diff),
+                        "token_match": same_tok / max(1, n_tok),
+                        "near_ties_ok": ties_ok,
+                        "ok": ok,
+                        "grouped_rows": grouped,
+                    }
+                )
                 if not ok:
-                    ctx.fail(f"{label} {dname} {what}: {len(diff)} sequences differ, "
-                             f"not explained by near-ties")
-            ctx.log(f"{label} {dname}: grouped rows {grouped}; "
-                    + ", ".join(f"{c['what']}={'same' if c['identical'] else 'DIFF'}"
-                                for c in ctx.result["comparisons"][-len(pairs):]))
+                    ctx.fail(
+                        f"{label} {dname} {what}: {len(diff)} sequences differ, "
+                        f"not explained by near-ties"
+                    )
+            ctx.log(
+                f"{label} {dname}: grouped rows {grouped}; "
+                + ", ".join(
+                    f"{c['what']}={'same' if c['identical'] else 'DIFF'}"
+                    for c in ctx.result["comparisons"][-len(pairs) :]
+                )
+            )
             del eng, backends
             _free_cuda()
             ctx.save()
     comps = ctx.result["comparisons"]
-    ctx.summary = (f"{len(comps)} comparisons, {sum(c['identical'] for c in comps)} "
-                   f"identical, {sum(not c['ok'] for c in comps)} failed")
+    ctx.summary = (
+        f"{len(comps)} comparisons, {sum(c['identical'] for c in comps)} "
+        f"identical, {sum(not c['ok'] for c in comps)} failed"
+    )
 
 
 # =============================================================== kernel_speed
@@ -1449,7 +1775,7 @@ def sec_kernel_speed(ctx: Ctx) -> None:
     per-sequence at 8k x 64; where sharing starts to pay vs what the gate picks."""
     import torch
 
-    from parrot_backend.kernels.backend import (
+    from parrot_backend.engine.triton_attention import (
         MIN_SHARED_GROUP_SIZE,
         MIN_SHARED_PREFIX_LEN,
         should_share_prefix,
@@ -1467,10 +1793,18 @@ def sec_kernel_speed(ctx: Ctx) -> None:
     ceil = ceiling_gbps(ctx)
     bs, suffix = 16, (5 if ctx.dry else 32)
     r = ctx.result
-    r.update({"dtype": _dname(dtype), "ceiling_gbps": ceil, "suffix": suffix,
-              "gate": {"min_prefix": MIN_SHARED_PREFIX_LEN,
-                       "min_group": MIN_SHARED_GROUP_SIZE},
-              "paged": [], "shared": [], "crossover": [], "goals": []})
+    r.update(
+        {
+            "dtype": _dname(dtype),
+            "ceiling_gbps": ceil,
+            "suffix": suffix,
+            "gate": {"min_prefix": MIN_SHARED_PREFIX_LEN, "min_group": MIN_SHARED_GROUP_SIZE},
+            "paged": [],
+            "shared": [],
+            "crossover": [],
+            "goals": [],
+        }
+    )
     shapes = {"smollm2": (4, 2, 64), "llama3-8b": (8, 2, 128)} if ctx.dry else HEAD_SHAPES
 
     def decode_fn(q, kc, vc, tables, lens, group, hkv):
@@ -1479,11 +1813,13 @@ def sec_kernel_speed(ctx: Ctx) -> None:
 
     def group_case(shape, prefix, n, seed):
         hq, hkv, d = shape
-        kc, vc, blocks, tables, lens = forked_group(prefix, [suffix] * n, bs, hkv, d, dtype,
-                                                    dev, _gen(dev, seed))
+        kc, vc, blocks, tables, lens = forked_group(
+            prefix, [suffix] * n, bs, hkv, d, dtype, dev, _gen(dev, seed)
+        )
         q = _randn((n, hq, d), dtype, dev, _gen(dev, seed + 1))
-        plan = plan_shared_prefix([GroupSpec(list(range(n)), lens, prefix, blocks)],
-                                  hq // hkv, hkv, bs, dev, dtype=dtype)
+        plan = plan_shared_prefix(
+            [GroupSpec(list(range(n)), lens, prefix, blocks)], hq // hkv, hkv, bs, dev, dtype=dtype
+        )
 
         def shared():
             return run_shared_prefix(plan, q, kc, vc, tables, d**-0.5)
@@ -1492,8 +1828,9 @@ def sec_kernel_speed(ctx: Ctx) -> None:
         t_sh, t_pl = bench_ms(shared, dev), bench_ms(plain, dev)
         return t_sh, t_pl, must_read_bytes(prefix + n * suffix, hkv, d, elem, n, hq)
 
-    paged_cfg = [(2, 40)] if ctx.dry else [(1, 32768), (8, 8192), (64, 4096),
-                                                    (64, 8192), (256, 2048)]
+    paged_cfg = (
+        [(2, 40)] if ctx.dry else [(1, 32768), (8, 8192), (64, 4096), (64, 8192), (256, 2048)]
+    )
     for sname, (hq, hkv, d) in shapes.items():
         for n, ctx_len in paged_cfg:
             if not ctx.enough(3):
@@ -1503,24 +1840,41 @@ def sec_kernel_speed(ctx: Ctx) -> None:
             q = _randn((n, hq, d), dtype, dev, _gen(dev, n + 1))
             ms = bench_ms(decode_fn(q, kc, vc, tables, lens, hq // hkv, hkv), dev)
             nbytes = must_read_bytes(n * ctx_len, hkv, d, elem, n, hq)
-            r["paged"].append({"shape": sname, "seqs": n, "context": ctx_len, "ms": ms,
-                               "MB": nbytes / 1e6, "gbps": nbytes / ms / 1e6,
-                               "frac": nbytes / ms / 1e6 / ceil})
+            r["paged"].append(
+                {
+                    "shape": sname,
+                    "seqs": n,
+                    "context": ctx_len,
+                    "ms": ms,
+                    "MB": nbytes / 1e6,
+                    "gbps": nbytes / ms / 1e6,
+                    "frac": nbytes / ms / 1e6 / ceil,
+                }
+            )
             del kc, vc, q
             _free_cuda()
         ctx.save()
-    shared_cfg = [(40, 3)] if ctx.dry else [(8192, 64), (8192, 256), (32768, 64),
-                                                     (2048, 64), (8192, 8)]
+    shared_cfg = (
+        [(40, 3)] if ctx.dry else [(8192, 64), (8192, 256), (32768, 64), (2048, 64), (8192, 8)]
+    )
     for sname, shape in shapes.items():
         for prefix, n in shared_cfg:
             if not ctx.enough(3):
                 raise Deadline
             t_sh, t_pl, nbytes = group_case(shape, prefix, n, prefix + n)
-            r["shared"].append({"shape": sname, "prefix": prefix, "group": n,
-                                "shared_ms": t_sh, "paged_ms": t_pl,
-                                "speedup": t_pl / t_sh, "MB": nbytes / 1e6,
-                                "gbps": nbytes / t_sh / 1e6,
-                                "frac": nbytes / t_sh / 1e6 / ceil})
+            r["shared"].append(
+                {
+                    "shape": sname,
+                    "prefix": prefix,
+                    "group": n,
+                    "shared_ms": t_sh,
+                    "paged_ms": t_pl,
+                    "speedup": t_pl / t_sh,
+                    "MB": nbytes / 1e6,
+                    "gbps": nbytes / t_sh / 1e6,
+                    "frac": nbytes / t_sh / 1e6 / ceil,
+                }
+            )
             _free_cuda()
         ctx.save()
     prefixes = [16, 40] if ctx.dry else [32, 64, 128, 256, 512, 1024, 2048]
@@ -1532,29 +1886,49 @@ def sec_kernel_speed(ctx: Ctx) -> None:
                 if not ctx.enough(3):
                     raise Deadline
                 t_sh, t_pl, _ = group_case(shape, prefix, n, 7 * prefix + n)
-                pts.append({"prefix": prefix, "shared_ms": t_sh, "paged_ms": t_pl,
-                            "gate_shares": should_share_prefix(prefix, n)})
+                pts.append(
+                    {
+                        "prefix": prefix,
+                        "shared_ms": t_sh,
+                        "paged_ms": t_pl,
+                        "gate_shares": should_share_prefix(prefix, n),
+                    }
+                )
             # sharing pays from the smallest prefix after which it always wins
             wins = [p["shared_ms"] <= p["paged_ms"] for p in pts]
             cross = next((pts[k]["prefix"] for k in range(len(pts)) if all(wins[k:])), None)
-            slower = [p["prefix"] for p in pts if p["gate_shares"]
-                      and p["shared_ms"] > 1.05 * p["paged_ms"]]
-            missed = [p["prefix"] for p in pts if not p["gate_shares"]
-                      and 1.2 * p["shared_ms"] < p["paged_ms"]]
-            r["crossover"].append({"shape": sname, "group": n, "crossover_prefix": cross,
-                                   "gate_slower_at": slower, "gate_missed_at": missed,
-                                   "points": pts})
+            slower = [
+                p["prefix"]
+                for p in pts
+                if p["gate_shares"] and p["shared_ms"] > 1.05 * p["paged_ms"]
+            ]
+            missed = [
+                p["prefix"]
+                for p in pts
+                if not p["gate_shares"] and 1.2 * p["shared_ms"] < p["paged_ms"]
+            ]
+            r["crossover"].append(
+                {
+                    "shape": sname,
+                    "group": n,
+                    "crossover_prefix": cross,
+                    "gate_slower_at": slower,
+                    "gate_missed_at": missed,
+                    "points": pts,
+                }
+            )
         ctx.save()
     if ctx.dry:
         r["goals"].append({"goal": "not evaluated: CPU timings are meaningless", "met": None})
     else:
         r["goals"] = speed_goals(r)
     best = max((row["frac"] for row in r["paged"] + r["shared"]), default=0.0)
-    x8k = [row["speedup"] for row in r["shared"] if row["prefix"] == 8192
-           and row["group"] == 64]
-    ctx.summary = (f"ceiling {ceil:.0f} GB/s; best {100 * best:.0f}% of it; "
-                   + (f"8k x 64 speedup {min(x8k):.1f}x; " if x8k else "")
-                   + f"{sum(bool(c['gate_slower_at']) for c in r['crossover'])} gate misses")
+    x8k = [row["speedup"] for row in r["shared"] if row["prefix"] == 8192 and row["group"] == 64]
+    ctx.summary = (
+        f"ceiling {ceil:.0f} GB/s; best {100 * best:.0f}% of it; "
+        + (f"8k x 64 speedup {min(x8k):.1f}x; " if x8k else "")
+        + f"{sum(bool(c['gate_slower_at']) for c in r['crossover'])} gate misses"
+    )
 
 
 def speed_goals(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1564,16 +1938,31 @@ def speed_goals(r: dict[str, Any]) -> list[dict[str, Any]]:
     goals = []
     for row in r["shared"]:
         if row["prefix"] == 8192 and row["group"] == 64:
-            goals.append({"goal": f"{row['shape']}: shared >= 10x per-sequence at 8k x 64",
-                          "value": round(row["speedup"], 2), "met": row["speedup"] >= 10})
+            goals.append(
+                {
+                    "goal": f"{row['shape']}: shared >= 10x per-sequence at 8k x 64",
+                    "value": round(row["speedup"], 2),
+                    "met": row["speedup"] >= 10,
+                }
+            )
         if row["prefix"] >= 8192:
-            goals.append({"goal": f"{row['shape']}: shared-prefix at >= 80% of bandwidth "
-                          f"({row['prefix']} x {row['group']})", "value": round(row["frac"], 3),
-                          "met": row["frac"] >= 0.8})
+            goals.append(
+                {
+                    "goal": f"{row['shape']}: shared-prefix at >= 80% of bandwidth "
+                    f"({row['prefix']} x {row['group']})",
+                    "value": round(row["frac"], 3),
+                    "met": row["frac"] >= 0.8,
+                }
+            )
     bad = [f"{c['shape']} group {c['group']}" for c in r["crossover"] if c["gate_slower_at"]]
-    goals.append({"goal": "the gate never picks shared where it is >5% slower than plain"
-                  + (f" (misses: {', '.join(bad)})" if bad else ""), "value": len(bad),
-                  "met": not bad})
+    goals.append(
+        {
+            "goal": "the gate never picks shared where it is >5% slower than plain"
+            + (f" (misses: {', '.join(bad)})" if bad else ""),
+            "value": len(bad),
+            "met": not bad,
+        }
+    )
     return goals
 
 
@@ -1590,13 +1979,38 @@ def sec_bench_attention(ctx: Ctx) -> None:
     else:
         # a coarser grid than its default (kernel_speed has the fine one): it writes its CSV
         # only at the end, so it must finish inside its box
-        cmd += ["--dtype", "bf16", "--reps", "40", "--peak-gbps", f"{ceiling_gbps(ctx):.0f}",
-                "--prefix-lens", "64", "256", "1024", "4096", "8192", "32768",
-                "--group-sizes", "1", "8", "16", "64", "256"]
+        cmd += [
+            "--dtype",
+            "bf16",
+            "--reps",
+            "40",
+            "--peak-gbps",
+            f"{ceiling_gbps(ctx):.0f}",
+            "--prefix-lens",
+            "64",
+            "256",
+            "1024",
+            "4096",
+            "8192",
+            "32768",
+            "--group-sizes",
+            "1",
+            "8",
+            "16",
+            "64",
+            "256",
+        ]
     ctx.result["command"] = " ".join(["benchmarks/kernels/bench_attention.py", *cmd[2:]])
     ctx.save()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         text, _ = proc.communicate(timeout=max(5.0, ctx.left()))
     except subprocess.TimeoutExpired:
@@ -1640,20 +2054,25 @@ async def _decode_rate(engine, prompts: list[list[int]], n_new: int) -> dict[str
         steps = engine.steps - steps0
         for i in range(len(prompts)):
             await engine.free(f"p{i}")
-    return {"tokens": n, "s": elapsed, "tok_s": n / elapsed,
-            "ms_per_step": 1e3 * elapsed / max(1, steps), "steps": steps}
+    return {
+        "tokens": n,
+        "s": elapsed,
+        "tok_s": n / elapsed,
+        "ms_per_step": 1e3 * elapsed / max(1, steps),
+        "steps": steps,
+    }
 
 
-async def _fork_rate(engine, prefix: list[int], suffixes: list[list[int]],
-                     n_new: int) -> dict[str, float]:
+async def _fork_rate(
+    engine, prefix: list[int], suffixes: list[list[int]], n_new: int
+) -> dict[str, float]:
     """Children of one filled parent decode together (timed after all fills)."""
     from parrot_backend.contract.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=n_new, ignore_eos=True)
     async with engine:
         await engine.fill("parent", None, prefix)
-        await asyncio.gather(*(engine.fill(f"c{i}", "parent", s)
-                               for i, s in enumerate(suffixes)))
+        await asyncio.gather(*(engine.fill(f"c{i}", "parent", s) for i, s in enumerate(suffixes)))
         steps0 = engine.steps
         t0 = time.perf_counter()
 
@@ -1666,8 +2085,13 @@ async def _fork_rate(engine, prefix: list[int], suffixes: list[list[int]],
         for i in range(len(suffixes)):
             await engine.free(f"c{i}")
         await engine.free("parent")
-    return {"tokens": n, "s": elapsed, "tok_s": n / elapsed,
-            "ms_per_step": 1e3 * elapsed / max(1, steps), "steps": steps}
+    return {
+        "tokens": n,
+        "s": elapsed,
+        "tok_s": n / elapsed,
+        "ms_per_step": 1e3 * elapsed / max(1, steps),
+        "steps": steps,
+    }
 
 
 def sec_engine_throughput(ctx: Ctx) -> None:
@@ -1684,18 +2108,29 @@ def sec_engine_throughput(ctx: Ctx) -> None:
     f_prefix, f_children, f_suffix, f_new = (36, 2, 5, 2) if ctx.dry else (2048, 64, 16, 32)
     gate = "always" if ctx.dry else "real"
     r = ctx.result
-    r.update({"dtype": _dname(dtype), "prompt_tokens": p_len, "new_tokens": n_new,
-              "rows": [], "fork": {"prefix": f_prefix, "children": f_children,
-                                   "suffix": f_suffix, "new_tokens": f_new, "gate": gate,
-                                   "rows": []}})
-    for mi, kind in enumerate(("smollm2", "llama3-8b")[:1 if ctx.dry else 2]):
+    r.update(
+        {
+            "dtype": _dname(dtype),
+            "prompt_tokens": p_len,
+            "new_tokens": n_new,
+            "rows": [],
+            "fork": {
+                "prefix": f_prefix,
+                "children": f_children,
+                "suffix": f_suffix,
+                "new_tokens": f_new,
+                "gate": gate,
+                "rows": [],
+            },
+        }
+    )
+    for mi, kind in enumerate(("smollm2", "llama3-8b")[: 1 if ctx.dry else 2]):
         if not ctx.enough(15):
             break
         cfg = model_config(kind, ctx.dry)
         label = model_label(kind, ctx.dry)
         t0 = time.perf_counter()
-        eng = engine_in_memory(cfg, dtype, dev, num_blocks=256 if ctx.dry else 2048,
-                               seed=20 + mi)
+        eng = engine_in_memory(cfg, dtype, dev, num_blocks=256 if ctx.dry else 2048, seed=20 + mi)
         r.setdefault("build_s", {})[label] = round(time.perf_counter() - t0, 2)
         g = torch.Generator().manual_seed(mi)
 
@@ -1706,21 +2141,26 @@ def sec_engine_throughput(ctx: Ctx) -> None:
             for b in batches:
                 if not ctx.enough(5):
                     raise Deadline
-                eng.runner.backend = TorchAttention() if bname == "torch" else \
-                    counting_backend("real")
+                eng.runner.backend = (
+                    TorchAttention() if bname == "torch" else counting_backend("real")
+                )
                 prompts = [rand(p_len) for _ in range(b)]
                 if not ctx.dry:
                     asyncio.run(_decode_rate(eng, prompts, 2))  # compile, warm caches
                 m = asyncio.run(_decode_rate(eng, prompts, n_new))
                 r["rows"].append({"model": label, "backend": bname, "batch": b, **m})
-                ctx.log(f"{label} {bname} batch {b}: {m['tok_s']:.1f} tok/s, "
-                        f"{m['ms_per_step']:.2f} ms/step")
+                ctx.log(
+                    f"{label} {bname} batch {b}: {m['tok_s']:.1f} tok/s, "
+                    f"{m['ms_per_step']:.2f} ms/step"
+                )
                 ctx.save()
         prefix = rand(f_prefix)
         suffixes = [rand(f_suffix) for _ in range(f_children)]
-        for bname, backend in (("torch", lambda: TorchAttention()),
-                               ("triton shared", lambda: counting_backend(gate)),
-                               ("triton plain", lambda: counting_backend("never"))):
+        for bname, backend in (
+            ("torch", lambda: TorchAttention()),
+            ("triton shared", lambda: counting_backend(gate)),
+            ("triton plain", lambda: counting_backend("never")),
+        ):
             if not ctx.enough(5):
                 raise Deadline
             eng.runner.backend = backend()
@@ -1734,17 +2174,25 @@ def sec_engine_throughput(ctx: Ctx) -> None:
         del eng
         _free_cuda()
     by = {(x["model"], x["backend"], x["batch"]): x["tok_s"] for x in r["rows"]}
-    r["ratios"] = [{"model": m, "batch": b, "triton_over_torch": by[(m, "triton", b)] / t}
-                   for (m, k, b), t in by.items() if k == "torch" and (m, "triton", b) in by]
+    r["ratios"] = [
+        {"model": m, "batch": b, "triton_over_torch": by[(m, "triton", b)] / t}
+        for (m, k, b), t in by.items()
+        if k == "torch" and (m, "triton", b) in by
+    ]
     ratios = [x["triton_over_torch"] for x in r["ratios"]]
-    ctx.summary = (f"{len(r['rows'])} decode runs, {len(r['fork']['rows'])} fork runs; "
-                   + (f"Triton/torch {min(ratios):.2f}-{max(ratios):.2f}x" if ratios else ""))
+    ctx.summary = f"{len(r['rows'])} decode runs, {len(r['fork']['rows'])} fork runs; " + (
+        f"Triton/torch {min(ratios):.2f}-{max(ratios):.2f}x" if ratios else ""
+    )
 
 
 SECTIONS: dict[str, Callable[[Ctx], None]] = {
-    "env": sec_env, "pytest_kernels": sec_pytest_kernels, "kernel_sweep": sec_kernel_sweep,
-    "engine_logits": sec_engine_logits, "engine_greedy": sec_engine_greedy,
-    "kernel_speed": sec_kernel_speed, "bench_attention": sec_bench_attention,
+    "env": sec_env,
+    "pytest_kernels": sec_pytest_kernels,
+    "kernel_sweep": sec_kernel_sweep,
+    "engine_logits": sec_engine_logits,
+    "engine_greedy": sec_engine_greedy,
+    "kernel_speed": sec_kernel_speed,
+    "bench_attention": sec_bench_attention,
     "engine_throughput": sec_engine_throughput,
 }
 
@@ -1775,18 +2223,22 @@ def md_env(r: dict) -> list[str]:
     """Markdown for the env section."""
     dev, pk, h = r.get("device", {}), r.get("packages", {}), r.get("hbm", {})
     mm = r.get("bf16_matmul", {})
-    lines = [f"- device: {dev.get('name')} (capability {dev.get('capability', '-')}, "
-             f"{dev.get('sms', '-')} SMs, {dev.get('memory_gib', '-')} GiB, L2 "
-             f"{dev.get('l2_mib', '-')} MiB)",
-             f"- python {r.get('python')} ({r.get('executable')}); torch {pk.get('torch')} "
-             f"(CUDA {r.get('torch_cuda')}); triton {pk.get('triton')}; transformers "
-             f"{pk.get('transformers')}; pytest-xdist {pk.get('pytest-xdist')}",
-             f"- git: {r.get('git', {}).get('commit')} (dirty: {r.get('git', {}).get('dirty')})"]
+    lines = [
+        f"- device: {dev.get('name')} (capability {dev.get('capability', '-')}, "
+        f"{dev.get('sms', '-')} SMs, {dev.get('memory_gib', '-')} GiB, L2 "
+        f"{dev.get('l2_mib', '-')} MiB)",
+        f"- python {r.get('python')} ({r.get('executable')}); torch {pk.get('torch')} "
+        f"(CUDA {r.get('torch_cuda')}); triton {pk.get('triton')}; transformers "
+        f"{pk.get('transformers')}; pytest-xdist {pk.get('pytest-xdist')}",
+        f"- git: {r.get('git', {}).get('commit')} (dirty: {r.get('git', {}).get('dirty')})",
+    ]
     if h:
-        lines.append(f"- HBM: copy {_f(h.get('copy_gbps'), 0)} GB/s (read + write), read "
-                     f"{_f(h.get('read_gbps'), 0)} GB/s, ceiling used "
-                     f"{_f(h.get('ceiling_gbps'), 0)} GB/s; datasheet "
-                     f"{h.get('datasheet_gbps') or '-'} GB/s")
+        lines.append(
+            f"- HBM: copy {_f(h.get('copy_gbps'), 0)} GB/s (read + write), read "
+            f"{_f(h.get('read_gbps'), 0)} GB/s, ceiling used "
+            f"{_f(h.get('ceiling_gbps'), 0)} GB/s; datasheet "
+            f"{h.get('datasheet_gbps') or '-'} GB/s"
+        )
     if mm:
         lines.append(f"- bf16 matmul {mm.get('n')}^3: {_f(mm.get('tflops'), 1)} TFLOP/s")
     smi = r.get("nvidia_smi", {})
@@ -1797,78 +2249,204 @@ def md_env(r: dict) -> list[str]:
 
 def md_pytest_kernels(r: dict) -> list[str]:
     """Markdown for the kernel tests."""
-    lines = [f"`{r.get('command', '')}`", "",
-             f"- {r.get('passed', 0)} passed, {r.get('failures', 0)} failed, "
-             f"{r.get('errors', 0)} errors, {r.get('skipped', 0)} skipped"]
+    lines = [
+        f"`{r.get('command', '')}`",
+        "",
+        f"- {r.get('passed', 0)} passed, {r.get('failures', 0)} failed, "
+        f"{r.get('errors', 0)} errors, {r.get('skipped', 0)} skipped",
+    ]
     lines += [f"  - {f}" for f in r.get("failed", [])]
     return lines + [""]
 
 
 def md_kernel_sweep(r: dict) -> list[str]:
     """Markdown for the kernel sweep: one row per kernel, then any failed case."""
-    rows = [[k, v["cases"], v["passed"], v["strict_passed"], v["max_abs_err"],
-             v["max_rel_l2"], v["worst"]] for k, v in r.get("kernels", {}).items()]
-    lines = _table(["kernel", "cases", "passed", "strict (vLLM default tol)", "max abs err",
-                    "max rel L2", "worst case"], rows)
-    bad = [f"- {k}: {row['desc']} {row.get('error') or row.get('checks')}"
-           for k, v in r.get("kernels", {}).items() for row in v["rows"] if not row["ok"]]
+    rows = [
+        [
+            k,
+            v["cases"],
+            v["passed"],
+            v["strict_passed"],
+            v["max_abs_err"],
+            v["max_rel_l2"],
+            v["worst"],
+        ]
+        for k, v in r.get("kernels", {}).items()
+    ]
+    lines = _table(
+        [
+            "kernel",
+            "cases",
+            "passed",
+            "strict (vLLM default tol)",
+            "max abs err",
+            "max rel L2",
+            "worst case",
+        ],
+        rows,
+    )
+    bad = [
+        f"- {k}: {row['desc']} {row.get('error') or row.get('checks')}"
+        for k, v in r.get("kernels", {}).items()
+        for row in v["rows"]
+        if not row["ok"]
+    ]
     return lines + bad[:20] + ([""] if bad else [])
 
 
 def md_engine_logits(r: dict) -> list[str]:
     """Markdown for the logits comparison."""
-    rows = [[x["model"], x["dtype"], x["backend"], x["rel_l2"], x["decode_rel_l2"],
-             x["hf_rel_l2"], x["bound"], x["max_abs"], x["top1"], x["hf_top1"], x["ok"]]
-            for x in r.get("rows", [])]
-    return [f"Criterion: {r.get('criterion', '')}; positions {r.get('positions')}.", ""] + \
-        _table(["model", "dtype", "backend", "rel L2", "decode rel L2", "transformers rel L2",
-                "bound", "max abs", "top-1", "transformers top-1", "pass"], rows)
+    rows = [
+        [
+            x["model"],
+            x["dtype"],
+            x["backend"],
+            x["rel_l2"],
+            x["decode_rel_l2"],
+            x["hf_rel_l2"],
+            x["bound"],
+            x["max_abs"],
+            x["top1"],
+            x["hf_top1"],
+            x["ok"],
+        ]
+        for x in r.get("rows", [])
+    ]
+    return [f"Criterion: {r.get('criterion', '')}; positions {r.get('positions')}.", ""] + _table(
+        [
+            "model",
+            "dtype",
+            "backend",
+            "rel L2",
+            "decode rel L2",
+            "transformers rel L2",
+            "bound",
+            "max abs",
+            "top-1",
+            "transformers top-1",
+            "pass",
+        ],
+        rows,
+    )
 
 
 def md_engine_greedy(r: dict) -> list[str]:
     """Markdown for the greedy comparisons."""
-    rows = [[c["model"], c["dtype"], c["what"], c["identical"], c["seqs_differ"],
-             c["token_match"], c["near_ties_ok"], c["grouped_rows"], c["ok"]]
-            for c in r.get("comparisons", [])]
-    return [f"Prefix {r.get('prefix_len')} tokens, {r.get('children')} children, "
-            f"{r.get('new_tokens')} greedy tokens each, gate {r.get('gate')}.", ""] + \
-        _table(["model", "dtype", "comparison", "identical", "seqs differ", "token match",
-                f"near-ties (top-{TOPK_TIE})", "grouped rows", "pass"], rows)
+    rows = [
+        [
+            c["model"],
+            c["dtype"],
+            c["what"],
+            c["identical"],
+            c["seqs_differ"],
+            c["token_match"],
+            c["near_ties_ok"],
+            c["grouped_rows"],
+            c["ok"],
+        ]
+        for c in r.get("comparisons", [])
+    ]
+    return [
+        f"Prefix {r.get('prefix_len')} tokens, {r.get('children')} children, "
+        f"{r.get('new_tokens')} greedy tokens each, gate {r.get('gate')}.",
+        "",
+    ] + _table(
+        [
+            "model",
+            "dtype",
+            "comparison",
+            "identical",
+            "seqs differ",
+            "token match",
+            f"near-ties (top-{TOPK_TIE})",
+            "grouped rows",
+            "pass",
+        ],
+        rows,
+    )
 
 
 def md_kernel_speed(r: dict) -> list[str]:
     """Markdown for kernel speed: paged, shared, the crossover, the goals."""
-    lines = [f"{r.get('dtype')}, block 16, ceiling {_f(r.get('ceiling_gbps'), 0)} GB/s "
-             f"(measured); bytes = each K/V row once + q + out (shared: prefix once + "
-             f"suffixes of {r.get('suffix')} tokens).", "", "Paged decode:", ""]
-    lines += _table(["shape", "seqs", "context", "ms", "MB", "GB/s", "of ceiling"],
-                    [[x["shape"], x["seqs"], x["context"], x["ms"], x["MB"], x["gbps"],
-                      x["frac"]] for x in r.get("paged", [])])
+    lines = [
+        f"{r.get('dtype')}, block 16, ceiling {_f(r.get('ceiling_gbps'), 0)} GB/s "
+        f"(measured); bytes = each K/V row once + q + out (shared: prefix once + "
+        f"suffixes of {r.get('suffix')} tokens).",
+        "",
+        "Paged decode:",
+        "",
+    ]
+    lines += _table(
+        ["shape", "seqs", "context", "ms", "MB", "GB/s", "of ceiling"],
+        [
+            [x["shape"], x["seqs"], x["context"], x["ms"], x["MB"], x["gbps"], x["frac"]]
+            for x in r.get("paged", [])
+        ],
+    )
     lines += ["Shared-prefix decode vs per-sequence paged decode:", ""]
-    lines += _table(["shape", "prefix", "group", "shared ms", "paged ms", "speedup", "GB/s",
-                     "of ceiling"],
-                    [[x["shape"], x["prefix"], x["group"], x["shared_ms"], x["paged_ms"],
-                      x["speedup"], x["gbps"], x["frac"]] for x in r.get("shared", [])])
+    lines += _table(
+        ["shape", "prefix", "group", "shared ms", "paged ms", "speedup", "GB/s", "of ceiling"],
+        [
+            [
+                x["shape"],
+                x["prefix"],
+                x["group"],
+                x["shared_ms"],
+                x["paged_ms"],
+                x["speedup"],
+                x["gbps"],
+                x["frac"],
+            ]
+            for x in r.get("shared", [])
+        ],
+    )
     gate = r.get("gate", {})
-    lines += [f"Gate crossover (gate shares from prefix >= {gate.get('min_prefix')} and "
-              f"group >= {gate.get('min_group')}):", ""]
-    lines += _table(["shape", "group", "shared wins from prefix", "gate shares but slower at",
-                     "gate plain but shared >1.2x faster at"],
-                    [[c["shape"], c["group"], c["crossover_prefix"],
-                      ", ".join(map(str, c["gate_slower_at"])) or "-",
-                      ", ".join(map(str, c["gate_missed_at"])) or "-"]
-                     for c in r.get("crossover", [])])
+    lines += [
+        f"Gate crossover (gate shares from prefix >= {gate.get('min_prefix')} and "
+        f"group >= {gate.get('min_group')}):",
+        "",
+    ]
+    lines += _table(
+        [
+            "shape",
+            "group",
+            "shared wins from prefix",
+            "gate shares but slower at",
+            "gate plain but shared >1.2x faster at",
+        ],
+        [
+            [
+                c["shape"],
+                c["group"],
+                c["crossover_prefix"],
+                ", ".join(map(str, c["gate_slower_at"])) or "-",
+                ", ".join(map(str, c["gate_missed_at"])) or "-",
+            ]
+            for c in r.get("crossover", [])
+        ],
+    )
     for g in r.get("goals", []):
         verdict = {True: "**met**", False: "**not met**"}.get(g["met"])
-        lines.append(f"- goal: {g['goal']}" + (f": {_f(g.get('value'))} -> {verdict}"
-                                                 if verdict else ""))
+        lines.append(
+            f"- goal: {g['goal']}" + (f": {_f(g.get('value'))} -> {verdict}" if verdict else "")
+        )
     return lines + [""]
 
 
 def md_bench_attention(r: dict) -> list[str]:
     """Markdown for bench_attention.py's rows."""
-    cols = ["shape", "prefix", "group", "shared_ms", "paged_ms", "sdpa_ms",
-            "shared_pct_peak", "speedup_vs_paged", "gate_shares", "gate_regret"]
+    cols = [
+        "shape",
+        "prefix",
+        "group",
+        "shared_ms",
+        "paged_ms",
+        "sdpa_ms",
+        "shared_pct_peak",
+        "speedup_vs_paged",
+        "gate_shares",
+        "gate_regret",
+    ]
     rows = [[_num(x.get(c)) for c in cols] for x in r.get("rows", [])]
     return [f"`{r.get('command', '')}`", ""] + _table(cols, rows)
 
@@ -1893,37 +2471,77 @@ def md_engine_throughput(r: dict) -> list[str]:
         if k != "torch":
             continue
         t = by.get((m, "triton", b), {})
-        rows.append([m, b, x["tok_s"], t.get("tok_s"), (t.get("tok_s") or 0) / x["tok_s"],
-                     x["ms_per_step"], t.get("ms_per_step")])
-    lines = [f"{r.get('dtype')}, prompts of {r.get('prompt_tokens')} tokens, "
-             f"{r.get('new_tokens')} greedy tokens each (decode timed after prefill); "
-             f"random weights built in device memory ({r.get('build_s')} s).", ""]
-    lines += _table(["model", "batch", "torch tok/s", "triton tok/s", "triton / torch",
-                     "torch ms/step", "triton ms/step"], rows)
+        rows.append(
+            [
+                m,
+                b,
+                x["tok_s"],
+                t.get("tok_s"),
+                (t.get("tok_s") or 0) / x["tok_s"],
+                x["ms_per_step"],
+                t.get("ms_per_step"),
+            ]
+        )
+    lines = [
+        f"{r.get('dtype')}, prompts of {r.get('prompt_tokens')} tokens, "
+        f"{r.get('new_tokens')} greedy tokens each (decode timed after prefill); "
+        f"random weights built in device memory ({r.get('build_s')} s).",
+        "",
+    ]
+    lines += _table(
+        [
+            "model",
+            "batch",
+            "torch tok/s",
+            "triton tok/s",
+            "triton / torch",
+            "torch ms/step",
+            "triton ms/step",
+        ],
+        rows,
+    )
     f = r.get("fork", {})
-    lines += [f"Forked children: prefix {f.get('prefix')}, {f.get('children')} children of "
-              f"{f.get('suffix')} own tokens, {f.get('new_tokens')} tokens each:", ""]
-    lines += _table(["model", "backend", "tok/s", "ms/step", "grouped rows"],
-                    [[x["model"], x["backend"], x["tok_s"], x["ms_per_step"],
-                      x.get("grouped_rows")] for x in f.get("rows", [])])
+    lines += [
+        f"Forked children: prefix {f.get('prefix')}, {f.get('children')} children of "
+        f"{f.get('suffix')} own tokens, {f.get('new_tokens')} tokens each:",
+        "",
+    ]
+    lines += _table(
+        ["model", "backend", "tok/s", "ms/step", "grouped rows"],
+        [
+            [x["model"], x["backend"], x["tok_s"], x["ms_per_step"], x.get("grouped_rows")]
+            for x in f.get("rows", [])
+        ],
+    )
     return lines
 
 
-RENDER = {"env": md_env, "pytest_kernels": md_pytest_kernels,
-          "kernel_sweep": md_kernel_sweep, "engine_logits": md_engine_logits,
-          "engine_greedy": md_engine_greedy, "kernel_speed": md_kernel_speed,
-          "bench_attention": md_bench_attention, "engine_throughput": md_engine_throughput}
+RENDER = {
+    "env": md_env,
+    "pytest_kernels": md_pytest_kernels,
+    "kernel_sweep": md_kernel_sweep,
+    "engine_logits": md_engine_logits,
+    "engine_greedy": md_engine_greedy,
+    "kernel_speed": md_kernel_speed,
+    "bench_attention": md_bench_attention,
+    "engine_throughput": md_engine_throughput,
+}
 
 
 def render_markdown(report: dict, summary_only: bool = False) -> str:
     """The report as Markdown: a summary table, then one part per section."""
     secs = report["sections"]
-    lines = [f"# GPU check ({report['mode']})", "",
-             f"{report['started']}, {report['wall_s']} s of a {report['budget_s']:.0f} s "
-             f"budget; commit {report['git'].get('commit')}; `{report['command']}`", ""]
-    lines += _table(["section", "status", "s", "summary"],
-                    [[n, s["status"], s.get("wall_s"), s.get("summary", "")]
-                     for n, s in secs.items()])
+    lines = [
+        f"# GPU check ({report['mode']})",
+        "",
+        f"{report['started']}, {report['wall_s']} s of a {report['budget_s']:.0f} s "
+        f"budget; commit {report['git'].get('commit')}; `{report['command']}`",
+        "",
+    ]
+    lines += _table(
+        ["section", "status", "s", "summary"],
+        [[n, s["status"], s.get("wall_s"), s.get("summary", "")] for n, s in secs.items()],
+    )
     if summary_only:
         return "\n".join(lines)
     for name, s in secs.items():

@@ -50,8 +50,10 @@ def bench_batched(store: Store, runs: list[str], events: int, batch: int) -> flo
     while done < events:
         n = min(batch, events - done)
         store.append_events(
-            [(runs[(done + i) % len(runs)], "token", {"text": "tok", "i": done + i})
-             for i in range(n)]
+            [
+                (runs[(done + i) % len(runs)], "token", {"text": "tok", "i": done + i})
+                for i in range(n)
+            ]
         )
         done += n
     return events / (time.perf_counter() - start)
@@ -78,14 +80,17 @@ def main() -> None:
         with Store(url) as store:
             tenant, _ = store.create_tenant(f"bench-{uuid.uuid4().hex[:8]}")
             calls = [{"name": "c", "inputs": ["q"], "outputs": ["a"]}]
-            runs = [store.create_run(tenant.id, {}, calls, {"q": "?"}).run.id
-                    for _ in range(args.runs)]
+            runs = [
+                store.create_run(tenant.id, {}, calls, {"q": "?"}).run.id for _ in range(args.runs)
+            ]
             bench_batched(store, runs, 2_000, args.batch)  # warm-up: caches, pool, WAL
             batched = bench_batched(store, runs, args.events, args.batch)
             single = bench_single(store, runs[0], args.single)
             print(f"backend: {store.dialect}")
-            print(f"batched: {batched:,.0f} events/s  ({args.events} events, batch {args.batch},"
-                  f" {args.runs} runs, one transaction per batch)")
+            print(
+                f"batched: {batched:,.0f} events/s  ({args.events} events, batch {args.batch},"
+                f" {args.runs} runs, one transaction per batch)"
+            )
             print(f"single:  {single:,.0f} events/s  ({args.single} events, one transaction each)")
 
 

@@ -42,10 +42,19 @@ def tiny_model(out: Path) -> Path:
     from parrot_backend.engine.model_files import resolve_model
 
     smol = resolve_model(None, progress=False)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -56,17 +65,25 @@ def tiny_model(out: Path) -> Path:
 
 def chain(i: int, calls: int, tokens: int) -> RunSpec:
     specs = [
-        {"name": f"c{k}",
-         "template": f"Run {i} step {k}: {{{{input:x{k}}}}} {{{{output:x{k + 1}}}}}",
-         "outputs": {f"x{k + 1}": {"max_tokens": tokens}}}
+        {
+            "name": f"c{k}",
+            "template": f"Run {i} step {k}: {{{{input:x{k}}}}} {{{{output:x{k + 1}}}}}",
+            "outputs": {f"x{k + 1}": {"max_tokens": tokens}},
+        }
         for k in range(calls)
     ]
-    return RunSpec.model_validate({"program": {"calls": specs}, "inputs": {"x0": f"seed {i}"},
-                                   "outputs": {f"x{calls}": "throughput"}})
+    return RunSpec.model_validate(
+        {
+            "program": {"calls": specs},
+            "inputs": {"x0": f"seed {i}"},
+            "outputs": {f"x{calls}": "throughput"},
+        }
+    )
 
 
-async def workload(engine: Engine, url: str, persist: bool, runs: int, calls: int,
-                   tokens: int) -> tuple[float, int, float]:
+async def workload(
+    engine: Engine, url: str, persist: bool, runs: int, calls: int, tokens: int
+) -> tuple[float, int, float]:
     """(tokens/s, tokens, process CPU s) for `runs` chains at once; `persist` switches
     the store's listener on (off: the same runtime and path, no event is written)."""
     store = Store(url)
@@ -118,15 +135,21 @@ async def main(args: argparse.Namespace) -> None:
                 off, n_off, cpu_off = await workload(engine, url, False, *work)
                 on, n_on, cpu_on = await workload(engine, url, True, *work)
             ratios.append(on / off)
-            print(f"round {r}: store off {off:8.1f} tok/s ({n_off} tok, cpu {cpu_off:.2f} s)"
-                  f"   store on {on:8.1f} tok/s ({n_on} tok, cpu {cpu_on:.2f} s)"
-                  f"   on/off {on / off:.3f}")
-    print("store-on: time the manager waits for each event's commit (on a chain, "
-          "variable_ready + call_started are the critical path of every step)")
+            print(
+                f"round {r}: store off {off:8.1f} tok/s ({n_off} tok, cpu {cpu_off:.2f} s)"
+                f"   store on {on:8.1f} tok/s ({n_on} tok, cpu {cpu_on:.2f} s)"
+                f"   on/off {on / off:.3f}"
+            )
+    print(
+        "store-on: time the manager waits for each event's commit (on a chain, "
+        "variable_ready + call_started are the critical path of every step)"
+    )
     for type, waits in sorted(WAITS.items()):
         ms = sorted(1000 * w for w in waits)
-        print(f"  {type:15s} n={len(ms):5d}  mean {statistics.fmean(ms):6.2f} ms  "
-              f"p50 {ms[len(ms) // 2]:6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms")
+        print(
+            f"  {type:15s} n={len(ms):5d}  mean {statistics.fmean(ms):6.2f} ms  "
+            f"p50 {ms[len(ms) // 2]:6.2f} ms  p90 {ms[int(0.9 * len(ms))]:6.2f} ms"
+        )
     median = statistics.median(ratios)
     print(f"median on/off throughput ratio: {median:.3f} (cost {100 * (1 - median):.1f} %)")
     shutil.rmtree(tmp, ignore_errors=True)

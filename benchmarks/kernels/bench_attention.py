@@ -28,7 +28,7 @@ if "--smoke" in sys.argv:  # the interpreter is chosen when kernels are decorate
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from parrot_backend.kernels.backend import should_share_prefix  # noqa: E402
+from parrot_backend.engine.triton_attention import should_share_prefix  # noqa: E402
 from parrot_backend.kernels.decode import plan_decode, run_decode  # noqa: E402
 from parrot_backend.kernels.shared_prefix import (  # noqa: E402
     GroupSpec,
@@ -40,21 +40,39 @@ from parrot_backend.kernels.shared_prefix import (  # noqa: E402
 BLOCK = 16
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # q heads, kv heads, head dim
 # peak HBM bandwidth (GB/s) by device-name substring, for the roofline column
-PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100": 3350, "A100": 2039, "L40S": 864,
-             "A10": 600, "4090": 1008}
+PEAK_GBPS = {
+    "H200": 4800,
+    "H100 SXM": 3350,
+    "H100": 3350,
+    "A100": 2039,
+    "L40S": 864,
+    "A10": 600,
+    "4090": 1008,
+}
 
 
 class Case:
     """A paged cache holding one group: shared prefix blocks, then each member's own."""
 
-    def __init__(self, shape: tuple[int, int, int], prefix: int, group: int, suffix: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        prefix: int,
+        group: int,
+        suffix: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
         hq, hkv, d = shape
         gen = torch.Generator(device="cpu").manual_seed(seed)
         n_prefix = math.ceil(prefix / BLOCK)
         # a prefix that ends mid-block forces each member to own a copy of that block
-        own = math.ceil((prefix % BLOCK + suffix) / BLOCK) if prefix % BLOCK else \
-            math.ceil(suffix / BLOCK)
+        own = (
+            math.ceil((prefix % BLOCK + suffix) / BLOCK)
+            if prefix % BLOCK
+            else math.ceil(suffix / BLOCK)
+        )
         n_full = prefix // BLOCK
         blocks = 1 + n_prefix + group * own
         self.k = torch.randn(blocks, BLOCK, hkv, d, generator=gen).to(device, dtype)
@@ -83,15 +101,14 @@ class Case:
     def shared_fn(self) -> Callable[[], torch.Tensor]:
         hq, hkv, _ = self.shape
         spec = GroupSpec(list(range(self.group)), self.lens, self.prefix, self.prefix_blocks)
-        plan = plan_shared_prefix([spec], hq // hkv, hkv, BLOCK, self.q.device,
-                                  dtype=self.q.dtype)
-        return lambda: run_shared_prefix(plan, self.q, self.k, self.v, self.tables,
-                                         self.scale)[0]
+        plan = plan_shared_prefix([spec], hq // hkv, hkv, BLOCK, self.q.device, dtype=self.q.dtype)
+        return lambda: run_shared_prefix(plan, self.q, self.k, self.v, self.tables, self.scale)[0]
 
     def paged_fn(self) -> Callable[[], torch.Tensor]:
         hq, hkv, _ = self.shape
-        plan = plan_decode(range(self.group), self.lens, None, hq // hkv, hkv, self.q.device,
-                           dtype=self.q.dtype)
+        plan = plan_decode(
+            range(self.group), self.lens, None, hq // hkv, hkv, self.q.device, dtype=self.q.dtype
+        )
         return lambda: run_decode(plan, self.q, self.k, self.v, self.tables, self.scale)[0]
 
     def sdpa_bytes(self) -> int:
@@ -106,12 +123,21 @@ class Case:
         k = self.k[blk, pos % BLOCK].transpose(1, 2).contiguous()
         v = self.v[blk, pos % BLOCK].transpose(1, 2).contiguous()
         q = self.q.unsqueeze(2)
-        return lambda: F.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                      enable_gqa=True).squeeze(2)
+        return lambda: F.scaled_dot_product_attention(
+            q, k, v, scale=self.scale, enable_gqa=True
+        ).squeeze(2)
 
     def reference(self) -> torch.Tensor:
-        return shared_prefix_decode_ref(self.q, self.k, self.v, self.tables, self.lens,
-                                        self.prefix, self.prefix_blocks, self.scale)[0]
+        return shared_prefix_decode_ref(
+            self.q,
+            self.k,
+            self.v,
+            self.tables,
+            self.lens,
+            self.prefix,
+            self.prefix_blocks,
+            self.scale,
+        )[0]
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -133,8 +159,11 @@ def check_correctness(device: torch.device, dtype: torch.dtype, smoke: bool) -> 
     for name, shape in SHAPES.items():
         case = Case(shape, prefix, group, 17, dtype, device, seed=1)
         want = case.reference().float()
-        for path, fn in (("shared", case.shared_fn()), ("paged", case.paged_fn()),
-                         ("sdpa", case.sdpa_fn())):
+        for path, fn in (
+            ("shared", case.shared_fn()),
+            ("paged", case.paged_fn()),
+            ("sdpa", case.sdpa_fn()),
+        ):
             err = (fn().float() - want).abs().max().item()
             if not err <= atol:
                 sys.exit(f"correctness check FAILED: {name} {path} max error {err:.3g}")
@@ -151,15 +180,20 @@ def peak_gbps(device: torch.device, given: float | None) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU interpreter")
-    ap.add_argument("--prefix-lens", type=int, nargs="+",
-                    default=[64, 256, 1024, 4096, 8192, 16384, 32768])
+    ap.add_argument(
+        "--prefix-lens", type=int, nargs="+", default=[64, 256, 1024, 4096, 8192, 16384, 32768]
+    )
     ap.add_argument("--group-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256])
     ap.add_argument("--suffix", type=int, default=32, help="own tokens per sequence")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--reps", type=int, default=100, help="do_bench time budget (ms)")
-    ap.add_argument("--sdpa-max-gb", type=float, default=16.0,
-                    help="skip SDPA when its gathered K/V would exceed this")
+    ap.add_argument(
+        "--sdpa-max-gb",
+        type=float,
+        default=16.0,
+        help="skip SDPA when its gathered K/V would exceed this",
+    )
     ap.add_argument("--peak-gbps", type=float, default=None)
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/kernels/results"))
     args = ap.parse_args()
@@ -188,18 +222,28 @@ def main() -> None:
                     t_sdpa = time_ms(case.sdpa_fn(), device, args.reps)
                 must = case.must_read_bytes()
                 gate = should_share_prefix(prefix, group)
-                rows.append({
-                    "shape": shape_name, "prefix": prefix, "group": group,
-                    "suffix": args.suffix, "shared_ms": t_shared, "paged_ms": t_paged,
-                    "sdpa_ms": t_sdpa, "must_read_MB": must / 1e6,
-                    "shared_GBps": must / t_shared / 1e6, "paged_GBps": must / t_paged / 1e6,
-                    "shared_pct_peak": 100 * must / t_shared / 1e6 / peak if peak else
-                    float("nan"),
-                    "speedup_vs_paged": t_paged / t_shared, "speedup_vs_sdpa": t_sdpa / t_shared,
-                    "gate_shares": gate,
-                    # time of the gate's pick over the faster path: 1.0 = the gate chose well
-                    "gate_regret": (t_shared if gate else t_paged) / min(t_shared, t_paged),
-                })
+                rows.append(
+                    {
+                        "shape": shape_name,
+                        "prefix": prefix,
+                        "group": group,
+                        "suffix": args.suffix,
+                        "shared_ms": t_shared,
+                        "paged_ms": t_paged,
+                        "sdpa_ms": t_sdpa,
+                        "must_read_MB": must / 1e6,
+                        "shared_GBps": must / t_shared / 1e6,
+                        "paged_GBps": must / t_paged / 1e6,
+                        "shared_pct_peak": 100 * must / t_shared / 1e6 / peak
+                        if peak
+                        else float("nan"),
+                        "speedup_vs_paged": t_paged / t_shared,
+                        "speedup_vs_sdpa": t_sdpa / t_shared,
+                        "gate_shares": gate,
+                        # time of the gate's pick over the faster path: 1.0 = the gate chose well
+                        "gate_regret": (t_shared if gate else t_paged) / min(t_shared, t_paged),
+                    }
+                )
                 del case
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -229,12 +273,20 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
         for group in sorted({r["group"] for r in rows}):
-            pts = [(r["prefix"], r["speedup_vs_paged"]) for r in rows
-                   if r["shape"] == shape and r["group"] == group]
+            pts = [
+                (r["prefix"], r["speedup_vs_paged"])
+                for r in rows
+                if r["shape"] == shape and r["group"] == group
+            ]
             ax.plot(*zip(*pts, strict=True), marker="o", label=f"group {group}")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(xscale="log", yscale="log", title=shape, xlabel="prefix tokens",
-               ylabel="paged time / shared-prefix time")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            title=shape,
+            xlabel="prefix tokens",
+            ylabel="paged time / shared-prefix time",
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -242,19 +294,23 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 
 
 def print_table(rows: list[dict], peak: float | None) -> None:
-    head = (f"{'shape':<10}{'prefix':>7}{'group':>6}{'shared ms':>11}{'paged ms':>10}"
-            f"{'sdpa ms':>9}{'GB/s':>8}{'%peak':>7}{'x paged':>9}{'x sdpa':>8}{'gate':>6}"
-            f"{'regret':>8}")
+    head = (
+        f"{'shape':<10}{'prefix':>7}{'group':>6}{'shared ms':>11}{'paged ms':>10}"
+        f"{'sdpa ms':>9}{'GB/s':>8}{'%peak':>7}{'x paged':>9}{'x sdpa':>8}{'gate':>6}"
+        f"{'regret':>8}"
+    )
     if peak is None:
         print("(%peak needs --peak-gbps on an unlisted device)")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['shape']:<10}{r['prefix']:>7}{r['group']:>6}{r['shared_ms']:>11.4f}"
-              f"{r['paged_ms']:>10.4f}{r['sdpa_ms']:>9.4f}{r['shared_GBps']:>8.1f}"
-              f"{r['shared_pct_peak']:>7.1f}{r['speedup_vs_paged']:>9.2f}"
-              f"{r['speedup_vs_sdpa']:>8.2f}{'share' if r['gate_shares'] else 'plain':>6}"
-              f"{r['gate_regret']:>8.2f}")
+        print(
+            f"{r['shape']:<10}{r['prefix']:>7}{r['group']:>6}{r['shared_ms']:>11.4f}"
+            f"{r['paged_ms']:>10.4f}{r['sdpa_ms']:>9.4f}{r['shared_GBps']:>8.1f}"
+            f"{r['shared_pct_peak']:>7.1f}{r['speedup_vs_paged']:>9.2f}"
+            f"{r['speedup_vs_sdpa']:>8.2f}{'share' if r['gate_shares'] else 'plain':>6}"
+            f"{r['gate_regret']:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

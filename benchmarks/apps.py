@@ -16,7 +16,8 @@ texts of its own (no run can hit another's cache). Modes:
 
 A simulated client round trip (`--rtt`, default 0.25 s) is paid once per program and once
 per request. Results go to `--out` (default `benchmarks/results/apps`): `results.json`,
-`table.md` (the table and the goals of issue 16) and `jct.png`, `prefill.png`.
+`table.md` (the table and the goals of issue 16) and `jct.png`, `prefill.png`; the
+servers' logs go to the temp folder (`appbench-server-*.log`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
         cal = await modes.calibrate(
             http, model, texts.document(99_999, cal_tokens), reps=2 if args.quick else 3
         )
+        r = await http.get("/bench/manager")
+        cal["latency_capacity"] = (r.json() or {}).get("latency_capacity") if r.is_success else None
         for name in args.workloads:
             if name == "mixed_tenant":
                 if phase != "off":  # once, with the engine's cache as deployed
@@ -115,7 +118,7 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
                         + mi
                         + (500 if phase == "off" else 0)
                     )
-                    wl = workloads.build(name, seed, quick=args.quick)
+                    wl = workloads.build(name, seed, quick=args.quick, **args.sizes.get(name, {}))
                     bar.set_description(f"cache {phase}: {name} {mode} #{rep + 1}")
                     mark = await modes.step_mark(http)
                     if mode == "parrot":
@@ -225,6 +228,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rtt", type=float, default=0.25, help="simulated client round trip, s")
     ap.add_argument("--port", type=int, default=8310)
     ap.add_argument(
+        "--size",
+        action="append",
+        default=[],
+        metavar="WORKLOAD.KEY=N",
+        help="override a size, e.g. shared_prompt.users=12 (repeatable; keys in "
+        "appbench/workloads.py SIZES)",
+    )
+    ap.add_argument(
         "--seed",
         type=int,
         help="base seed of the texts (default 0; with --url "
@@ -240,6 +251,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = ap.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 2)
+    args.sizes = {}
+    for item in args.size:
+        key, _, value = item.partition("=")
+        workload, _, field = key.partition(".")
+        if workload not in workloads.SIZES or field not in workloads.SIZES[workload][0]:
+            ap.error(f"--size {item}: no such workload size")
+        args.sizes.setdefault(workload, {})[field] = int(value)
     if args.seed is None:
         args.seed = int(time.time()) * 10_000 if args.url else 0
     command = "python benchmarks/apps.py " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -262,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.port,
                 phase == "on",
                 args.model,
-                args.out / f"server-cache-{phase}.log",
+                Path(tempfile.gettempdir()) / f"appbench-server-cache-{phase}-{args.port}.log",
                 args.server_arg,
             )
             try:

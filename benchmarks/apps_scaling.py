@@ -1,0 +1,145 @@
+"""Scaling of a shared system prompt: prefill work and JCT for N users sharing a
+P-token prompt, parrot vs request-level, on one server with the engine's prefix cache off.
+
+    .venv/bin/python benchmarks/apps_scaling.py [--users 1 4 16] [--prompt 256 1024]
+
+Parrot should compute about P + N * suffix prompt tokens (the prompt filled once, each
+user's question on a fork), request-level about N * (P + suffix). The token counts come
+from the engine's own counters (`/bench/engine`), so they are exact whatever the machine's
+noise; JCTs are one run each. Writes `scaling.json`, `scaling.md` and `scaling.png` into
+`--out` (default `benchmarks/results/apps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from appbench import modes, report, workloads  # noqa: E402
+from apps import start_server, stop_server  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+async def sweep(url: str, args, tok, bar) -> list[dict]:
+    rows = []
+    async with httpx.AsyncClient(base_url=url, timeout=900, trust_env=False) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        for p in args.prompt:
+            for n in args.users:
+                row = {"prompt": p, "users": n}
+                for mi, mode in enumerate(("parrot", "request-level")):
+                    seed = 70_000 + 100 * p + 10 * n + mi
+                    wl = workloads.shared_prompt(seed, users=n, prompt=p, gen=args.gen)
+                    bar.set_description(f"P={p} N={n} {mode}")
+                    if mode == "parrot":
+                        run = await modes.run_parrot(http, wl, 0.0)
+                    else:
+                        run = await modes.run_request_level(http, wl, 0.0, model)
+                    s = report.summarise_run(wl, run, tok)
+                    row[mode] = {
+                        "jct": s["jct"],
+                        "prefill_computed": s.get("prefill_computed"),
+                        "prompt_tokens": s["prompt_tokens"],
+                        "unique_prompt_tokens": s["unique_prompt_tokens"],
+                    }
+                    bar.update(1)
+                rows.append(row)
+    return rows
+
+
+def write(out: Path, rows: list[dict], command: str) -> str:
+    lines = [
+        f"Command: `{command}`",
+        "",
+        "| P | N | parrot prefill | req-level prefill | prefill ratio | parrot JCT s | "
+        "req-level JCT s | JCT ratio |",
+        "|" + " --- |" * 8,
+    ]
+    for r in rows:
+        a, b = r["parrot"], r["request-level"]
+        pr = (
+            b["prefill_computed"] / a["prefill_computed"]
+            if a["prefill_computed"] and b["prefill_computed"]
+            else None
+        )
+        lines.append(
+            f"| {r['prompt']} | {r['users']} | {a['prefill_computed']} | "
+            f"{b['prefill_computed']} | {report._f(pr)}x | {a['jct']:.2f} | "
+            f"{b['jct']:.2f} | {b['jct'] / a['jct']:.2f}x |"
+        )
+    text = "\n".join(lines) + "\n"
+    (out / "scaling.md").write_text(text)
+    (out / "scaling.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return text
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for p in sorted({r["prompt"] for r in rows}):
+        mine = [r for r in rows if r["prompt"] == p]
+        ns = [r["users"] for r in mine]
+        for mode, style in (("parrot", "-o"), ("request-level", "--s")):
+            axes[0].plot(
+                ns, [r[mode]["prefill_computed"] for r in mine], style, label=f"{mode}, P={p}"
+            )
+            axes[1].plot(ns, [r[mode]["jct"] for r in mine], style, label=f"{mode}, P={p}")
+    for ax, what in zip(axes, ("prefill tokens computed", "JCT (s)"), strict=True):
+        ax.set_xlabel("users N")
+        ax.set_ylabel(what)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=110)
+    plt.close(fig)
+    return text
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prompt", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument("--model")
+    ap.add_argument("--url", help="a running server (its cache setting) instead")
+    ap.add_argument("--port", type=int, default=8311)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "apps")
+    args = ap.parse_args(argv)
+    command = "python benchmarks/apps_scaling.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok = report.load_tokenizer(args.model)
+    began = time.time()
+    with tqdm(total=2 * len(args.users) * len(args.prompt), unit="run", file=sys.stderr) as bar:
+        if args.url:
+            rows = asyncio.run(sweep(args.url, args, tok, bar))
+        else:
+            log = Path(tempfile.gettempdir()) / "appbench-server-scaling.log"
+            proc = start_server(args.port, False, args.model, log, [])
+            try:
+                rows = asyncio.run(sweep(f"http://127.0.0.1:{args.port}", args, tok, bar))
+            finally:
+                stop_server(proc)
+    text = write(args.out, rows, command)
+    print(text + f"\n({time.time() - began:.0f} s)")
+    return text
+
+
+if __name__ == "__main__":
+    main()

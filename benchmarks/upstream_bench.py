@@ -26,7 +26,8 @@ Per arm and round: the wall time from the first request to the last value, and l
 own counts of prompt tokens it evaluated and reused from its cache (`/metrics` deltas: the
 arms never overlap). Medians over rounds; ratios direct / parrot (> 1: parrot faster).
 
-    .venv/bin/python benchmarks/upstream_bench.py [--rounds 5] [--json out.json]
+    .venv/bin/python benchmarks/upstream_bench.py [--rounds 5] [--threads 1]
+        [--prefix-repeat 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -336,8 +337,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--prefix-repeat",
+        type=int,
+        default=1,
+        help="repeat the system prompt and the map instruction N times (longer shared prefixes)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    global SYSTEM, INSTRUCTION  # the clients read them at call time
+    SYSTEM, INSTRUCTION = SYSTEM * args.prefix_repeat, INSTRUCTION * args.prefix_repeat
     logs = Path(tempfile.mkdtemp(prefix="upstream-bench-"))
     llama = LlamaServer(
         None,

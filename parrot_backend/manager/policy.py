@@ -16,6 +16,13 @@ Policy, in order of precedence:
    `latency_capacity`, so it decodes in a small, fast batch. Throughput calls fill the
    rest: up to `max_batch` on engines running no latency call, and only below
    `latency_capacity` on engines that do (they must not slow those calls down).
+   **Forks of one prefix go together**: latency calls (outside task groups) offered in
+   the same round that share a prefix (e.g. many users of one system prompt) form a
+   family, keyed by the longest prefix two or more of them have. Once one member is
+   placed, the others join it on the same engine up to `max_batch` (KV permitting)
+   whatever the latency capacity: queued behind the capacity they would start only when
+   the first wave had finished decoding, while decoding them in one batch costs a step
+   only a little longer, and they fork from one fill of the prefix.
 3. **Prefix locality.** Among the engines where a call fits, it goes to the one holding
    its longest prefix (it forks from that context and skips those tokens of prefill and
    KV); ties go to the smaller batch, then to fewer running tokens. A throughput call
@@ -41,6 +48,7 @@ The manager may count tokens it could evict (`PrefixTable.evictable_tokens`) as 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -164,7 +172,10 @@ def schedule(
     out: list[Assignment] = []
     open_engines = list(state.values())  # those not reserved (made again when one is)
     max_batch = config.max_batch
-    for unit in _units(pending, now, config):
+    units = _units(pending, now, config)
+    family = _families(units)
+    joined: dict[str, RoundLoad] = {}  # family key -> the engine its first member went to
+    for unit in units:
         if not unit.aged:
             for s in open_engines:
                 if s.batch_size < max_batch:
@@ -177,9 +188,19 @@ def schedule(
         if _single(unit):
             # one call: trial copies would reach the same engine; place it on the state
             call = unit.calls[0]
-            engine = _best(call, open_engines, config, unit.aged, batched=False)
+            fam = family.get(call.call_id) if family else None
+            engine = joined.get(fam) if fam is not None else None
+            # a fork joins its family's engine up to max_batch (the cap of an aged call)
+            if (
+                engine is None
+                or engine.engine_id in reserved
+                or not _fits(call, engine, config, aged=True, batched=False)
+            ):
+                engine = _best(call, open_engines, config, unit.aged, batched=False)
             if engine is not None:
                 out.append(_commit(call, engine, single=True))
+                if fam is not None:
+                    joined.setdefault(fam, engine)
                 continue
             # an aged call that fits nowhere fits nowhere either when tried again as
             # part of what fits (`_fits` of an aged call ignores `batched`)
@@ -218,6 +239,26 @@ def _units(pending: Iterable[PendingCall], now: float, config: PolicyConfig) -> 
     units += [_unit(sorted(m, key=lambda c: c.call_id), now, config) for m in groups.values()]
     units.sort(key=lambda u: (not u.aged, not u.latency, u.since, u.calls[0].call_id))
     return units
+
+
+def _families(units: list[_Unit]) -> dict[str, str]:
+    """Call id -> family key of each latency call outside task groups that shares a
+    prefix with another one: the longest of its prefixes that two or more of them have."""
+    forks = [
+        u.calls[0]
+        for u in units
+        if u.latency and len(u.calls) == 1 and u.calls[0].group is None and u.calls[0].prefixes
+    ]
+    if len(forks) < 2:
+        return {}
+    counts = Counter(p.key for c in forks for p in c.prefixes)
+    out: dict[str, str] = {}
+    for c in forks:
+        for p in reversed(c.prefixes):
+            if counts[p.key] >= 2:
+                out[c.call_id] = p.key
+                break
+    return out
 
 
 def _unit(calls: list[PendingCall], now: float, config: PolicyConfig) -> _Unit:

@@ -70,6 +70,40 @@ def test_placed_latency_calls_count_against_capacity() -> None:
     assert [a.call_id for a in out] == ["l2", "l1"]
 
 
+def test_latency_forks_of_one_prefix_are_admitted_together() -> None:
+    # 3 users of one system prompt: capacity 2 would start the third only after the
+    # first two finished decoding; forks of one prefix join their family's engine
+    users = [
+        call(f"u{i}", "latency", prefixes=(SYS, Prefix(f"q{i}", 2, 60)), enqueued_at=NOW - i)
+        for i in range(3)
+    ]
+    out = schedule(users, [engine("e0"), engine("e1")], NOW, CONFIG)
+    assert sorted(placement(out).values()) == ["e0", "e0", "e0"]
+    assert [a.prefix for a in out] == [None, SYS, SYS]  # one fill, the others fork
+
+
+def test_latency_forks_stay_within_max_batch_and_kv() -> None:
+    users = [call(f"u{i}", "latency", prefixes=(SYS,), enqueued_at=NOW - i) for i in range(6)]
+    out = schedule(users, [engine("e0")], NOW, CONFIG)
+    assert len(out) == CONFIG.max_batch
+    # KV: 100 tokens each, 50 of them the shared prefix: 100 + 2 x 50 fit in 200
+    out = schedule(users, [engine("e0", free_kv_tokens=200)], NOW, CONFIG)
+    assert len(out) == 3
+
+
+def test_latency_calls_without_a_shared_prefix_still_obey_capacity() -> None:
+    calls = [
+        call(f"l{i}", "latency", prefixes=(Prefix(f"own{i}", 1, 50),), enqueued_at=NOW - i)
+        for i in range(3)
+    ]
+    out = schedule(calls, [engine("e0")], NOW, CONFIG)
+    assert [a.call_id for a in out] == ["l2", "l1"]
+    # nor does a fork family let an unrelated latency call past the capacity
+    forks = [call(f"f{i}", "latency", prefixes=(SYS,), enqueued_at=NOW - 5 - i) for i in range(3)]
+    out = schedule([*calls, *forks], [engine("e0")], NOW, CONFIG)
+    assert sorted(a.call_id for a in out) == ["f0", "f1", "f2"]
+
+
 def test_throughput_fills_engines_without_latency_work_up_to_max_batch() -> None:
     calls = [call(f"t{i}", enqueued_at=NOW - i) for i in range(6)]
     out = schedule(
@@ -224,16 +258,27 @@ def _reference_schedule(pending, engines, now, config):  # type: ignore[no-untyp
     state = {e.engine_id: p.RoundLoad.of(e) for e in engines}
     reserved: set[str] = set()
     out = []
-    for unit in p._units(pending, now, config):
+    units = p._units(pending, now, config)
+    family = p._families(units)
+    joined: dict[str, str] = {}
+    for unit in units:
         open_engines = [s for eid, s in state.items() if eid not in reserved]
         if not unit.aged and all(s.batch_size >= config.max_batch for s in open_engines):
             break
+        fam = family.get(unit.calls[0].call_id) if p._single(unit) else None
+        if fam in joined and joined[fam] not in reserved:
+            e = state[joined[fam]]
+            if p._fits(unit.calls[0], e, config, True, False):
+                out.append(p._commit(unit.calls[0], e, single=True))
+                continue
         placed = place_unit(unit, open_engines)
         if placed is None and unit.aged:
             placed = place_each(unit.calls, open_engines, aged=True, partial=True)
         if placed:
             for c, eid in placed:
                 out.append(p._commit(c, state[eid], single=p._single(unit)))
+                if fam is not None:
+                    joined.setdefault(fam, eid)
         if unit.aged and (placed is None or len(placed) < len(unit.calls)) and open_engines:
             reserved.add(max(open_engines, key=lambda s: (s.free_kv_tokens, s.engine_id)).engine_id)
     return out

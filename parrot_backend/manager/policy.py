@@ -12,8 +12,11 @@ Policy, in order of precedence:
    most free KV: nothing younger is placed there this round, so that engine drains until
    the aged call fits.
 2. **Latency before throughput.** Then latency calls, then throughput calls, oldest first.
-   A latency call goes only to an engine whose running batch is below
-   `latency_capacity`, so it decodes in a small, fast batch. Throughput calls fill the
+   A latency call goes to an engine whose running batch is below `latency_capacity`,
+   so it decodes in a small, fast batch; when no batch is that small, it joins one
+   whose running latency calls are fewer than `latency_capacity` (up to `max_batch`):
+   a batch of throughput work drains no sooner if it waits, and the engine runs it
+   first (priority). Throughput calls fill the
    rest: up to `max_batch` on engines running no latency call, and only below
    `latency_capacity` on engines that do (they must not slow those calls down).
    **Forks of one prefix go together**: latency calls (outside task groups) offered in
@@ -319,6 +322,15 @@ def _best(
     batched: bool,
 ) -> RoundLoad | None:
     fitting = [e for e in engines if _fits(call, e, config, aged, batched)]
+    if not fitting and not aged and not batched and call.objective == "latency":
+        # every batch is at the latency capacity: join one made of throughput work (its
+        # calls leave no sooner if this one waits, and it runs first in the engine)
+        cap = config.latency_capacity
+        fitting = [
+            e
+            for e in engines
+            if e.running_latency < cap and _fits(call, e, config, aged=True, batched=False)
+        ]
     if len(fitting) < 2:  # nothing to rank
         return fitting[0] if fitting else None
     return min(fitting, key=lambda e: _rank(call, e, batched))

@@ -59,9 +59,29 @@ def test_latency_call_only_goes_below_latency_capacity() -> None:
     assert a.engine_id == "e1"
 
 
-def test_latency_call_waits_when_every_batch_is_at_capacity() -> None:
-    engines = [engine("e0", batch_size=2), engine("e1", batch_size=3)]
+def test_latency_call_waits_when_every_batch_is_at_capacity_with_latency_work() -> None:
+    engines = [
+        engine("e0", running_latency=2, batch_size=2),
+        engine("e1", running_latency=2, batch_size=3),
+    ]
     assert schedule([call("c", "latency")], engines, NOW, CONFIG) == []
+
+
+def test_latency_call_joins_a_throughput_batch_rather_than_wait_for_it() -> None:
+    # the throughput batch does not drain sooner if the latency call waits for it
+    engines = [
+        engine("e0", running_latency=2, batch_size=2),
+        engine("e1", running_latency=1, batch_size=3),
+        engine("e2", batch_size=4),
+    ]
+    [a] = schedule([call("c", "latency")], engines, NOW, CONFIG)
+    assert a.engine_id == "e1"  # e0 has its latency calls, e2 is at max_batch
+    # but never past max_batch or the KV
+    full = [engine("e0", batch_size=4), engine("e1", batch_size=3, free_kv_tokens=50)]
+    assert schedule([call("c", "latency")], full, NOW, CONFIG) == []
+    # and it does not let throughput calls in after it (they stay below the capacity)
+    out = schedule([call("c", "latency"), call("t")], [engine("e0", batch_size=2)], NOW, CONFIG)
+    assert [x.call_id for x in out] == ["c"]
 
 
 def test_placed_latency_calls_count_against_capacity() -> None:

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from parrot_backend.program import Text
+from parrot_backend.program import InputRef, Text
 
 from .call_task import run_call
 from .dispatch_window import dispatch_window
@@ -97,6 +97,7 @@ class Dispatcher:
             m.sharing.table,
             m.config.static_prefix_min_tokens,
             lambda p: p.key in statics,
+            lambda i, p: later_reader(ready[i], p.n_segments),
         )
         biggest = max(members.capacity.values(), default=1 << 62)
         pending: list[PendingCall] = []
@@ -172,3 +173,30 @@ class Dispatcher:
                 wake.set()
 
         task.add_done_callback(done)
+
+
+def later_reader(r: ReadyCall, n_segments: int) -> bool:
+    """Whether a call of `r`'s run that has not started yet opens with the same first
+    `n_segments` segments as `r`'s call, the last variable among them included: it will
+    have the same prefix there once ready (the values never change). False for a static
+    prefix (no variable): those follow their own rule."""
+    program = r.run.program
+    segments = program.calls[r.name].segments
+    head = segments[:n_segments]
+    last = None
+    for seg in reversed(head):
+        if isinstance(seg, InputRef):
+            last = seg.name
+            break
+    if last is None:
+        return False
+    statuses = r.run.calls
+    for other in program.variables[last].consumers:
+        if other == r.name:
+            continue
+        status = statuses.get(other)
+        if status is not None and status.state not in ("waiting", "ready"):
+            continue  # started or over: it forks from nothing new
+        if program.calls[other].segments[:n_segments] == head:
+            return True
+    return False

@@ -5,6 +5,10 @@ Which prefixes are worth a context of their own (`shareable`):
 - a prefix that two or more calls waiting for an engine have (equal keys: same model,
   salt and tokens), e.g. a dynamic prefix holding an agent's output that many agents read;
 - a prefix already filled on some engine (a hot prefix that outlived its run);
+- a dynamic prefix that a call of the same run still to start will have too (`readers`):
+  the same template text and variables up to the boundary, e.g. reviewers that each
+  become ready at their own time but all open with the architect's generated design.
+  Filled by the first of them, it is in the table when the others come;
 - a static prefix (the constant text before a call's first variable) of at least
   `static_min_tokens` tokens, even when only one call has it now: system prompts recur
   across runs, and the next run finds it filled.
@@ -50,12 +54,16 @@ def shareable(
     table: PrefixTable,
     static_min_tokens: int,
     is_static: Callable[[Prefix], bool],
+    readers: Callable[[int, Prefix], bool] | None = None,
 ) -> list[tuple[Prefix, ...]]:
-    """For each call's prefixes (shortest first), those worth sharing (see module doc)."""
+    """For each call's prefixes (shortest first), those worth sharing (see module doc).
+
+    `readers(i, prefix)`: whether a call still to start will have call `i`'s `prefix`
+    (asked last, only for prefixes no other rule keeps)."""
     calls = [tuple(c) for c in candidates]
     counts = Counter([p.key for c in calls for p in c])
     out: list[tuple[Prefix, ...]] = []
-    for c in calls:  # loops, not a generator per call: this runs for every ready call
+    for i, c in enumerate(calls):  # loops, not a generator per call: runs for every call
         kept = []
         for p in c:
             key = p.key
@@ -63,6 +71,7 @@ def shareable(
                 counts[key] >= 2
                 or key in table
                 or (p.n_tokens >= static_min_tokens and is_static(p))
+                or (readers is not None and readers(i, p))
             ):
                 kept.append(p)
         out.append(tuple(kept) if len(kept) != len(c) else c)

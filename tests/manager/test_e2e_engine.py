@@ -193,6 +193,37 @@ async def test_multi_agent_dynamic_prefix_filled_once(tiny_model_dir) -> None:
     assert started_after_ready(manager, "plan", "agent0")
 
 
+async def test_generated_prefix_shared_by_readers_ready_one_after_another(tiny_model_dir) -> None:
+    # reviewers each read the generated design, but each also reads the previous one's
+    # note: they become ready one at a time, never two in one dispatcher round
+    readers = 4
+    calls = [("arch", "You design. Task: {{input:task}} Design: {{output:design}}")]
+    calls += [
+        (
+            f"rev{i}",
+            "Review against the design: {{input:design}} Earlier note: "
+            + ("{{input:task}}" if i == 0 else f"{{{{input:note{i - 1}}}}}")
+            + f" Note: {{{{output:note{i}}}}}",
+        )
+        for i in range(readers)
+    ]
+    outs = {"arch": {"design": {"max_tokens": 24}}}
+    outs |= {f"rev{i}": {f"note{i}": {"max_tokens": 3}} for i in range(readers)}
+    program = spec(calls, {"task": "a nest"}, f"note{readers - 1}", **outs)
+    want, ref_computed = await reference(tiny_model_dir, program)
+    got, manager, engine = await managed(tiny_model_dir, program)
+    assert got == want
+    tokens = PromptTokenizer.for_engine(engine)
+    text = "Review against the design: " + got[0]["design"]
+    design_prefix = len(tokens.text(text[: tokens.stable_cut(text)]))
+    table = manager.sharing.table
+    assert design_prefix in [table.get(k).n_tokens for k in table.held("e0")]
+    # the design prefix is computed once, not once per reader: P + N x suffix
+    saved = ref_computed - engine.stats_now().tokens_computed
+    assert saved >= (readers - 1) * design_prefix
+    assert all(started_after_ready(manager, f"note{i - 1}", f"rev{i}") for i in range(1, readers))
+
+
 @pytest.mark.parametrize(
     "model", ["tiny_model_dir", pytest.param("smollm2_dir", marks=pytest.mark.slow)]
 )

@@ -87,8 +87,9 @@ def _database_url(args: argparse.Namespace) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Run the HTTP server with the store, one in-process engine and the native runtime;
-    resume unfinished runs; exit non-zero if the engine dies."""
+    """Run the HTTP server with the store, its engines (the in-process engine unless
+    `--no-local-engine`, plus any `--upstream` servers; remote engines register later) and
+    the native runtime; resume unfinished runs; exit non-zero if the in-process engine dies."""
     import logging
 
     import uvicorn

@@ -31,7 +31,8 @@ class ParrotParams(BaseModel):
     """Server root, e.g. `http://127.0.0.1:8000` (a trailing `/v1` is accepted too).
     Defaults to `$PARROT_BASE_URL`, then `http://127.0.0.1:8000`."""
     api_key: SecretStr | None = Field(
-        default_factory=secret_from_env("PARROT_API_KEY", default=None))
+        default_factory=secret_from_env("PARROT_API_KEY", default=None)
+    )
     """Bearer key; defaults to `$PARROT_API_KEY`. Not needed when the server runs without
     auth (the default on loopback)."""
     temperature: float | None = None
@@ -98,12 +99,19 @@ class ParrotParams(BaseModel):
     @property
     def _parrot_identifying_params(self) -> dict[str, Any]:
         # Everything that changes what the server generates (timeouts and retries do not).
-        return {"model": self.model, "base_url": self.base_url,
-                "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
+        return {
+            "model": self.model,
+            "base_url": self.base_url,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
 
-    def _fill_ls_params(self, params: LangSmithParams, stop: list[str] | None,
-                        kwargs: dict[str, Any]) -> LangSmithParams:
+    def _fill_ls_params(
+        self, params: LangSmithParams, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> LangSmithParams:
         params["ls_provider"] = "parrot"
         model = kwargs.get("model")
         params["ls_model_name"] = model if isinstance(model, str) else self.model
@@ -121,5 +129,8 @@ class ParrotParams(BaseModel):
 
 def usage_dict(usage: Any) -> dict[str, int]:
     """The server's usage as the OpenAI-style `token_usage` of `llm_output`."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }

@@ -36,13 +36,14 @@ from .errors import (
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0  # a longer Retry-After is capped: the caller would rather fail
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
-             httpx.RemoteProtocolError)
-_BY_TYPE = {"authentication_error": ParrotAuthenticationError,
-            "permission_error": ParrotAuthenticationError,
-            "rate_limit_error": ParrotRateLimitError,
-            "invalid_request_error": ParrotBadRequestError,
-            "not_found_error": ParrotBadRequestError}
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError)
+_BY_TYPE = {
+    "authentication_error": ParrotAuthenticationError,
+    "permission_error": ParrotAuthenticationError,
+    "rate_limit_error": ParrotRateLimitError,
+    "invalid_request_error": ParrotBadRequestError,
+    "not_found_error": ParrotBadRequestError,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +144,10 @@ def _error_fields(body: Any) -> dict[str, Any] | None:
 
 def _transport_error(exc: httpx.HTTPError, endpoint: Endpoint, url: str) -> ParrotError:
     if isinstance(exc, httpx.TimeoutException):
-        return ParrotTimeoutError(f"no answer from {url} within {endpoint.timeout} s "
-                                  f"({type(exc).__name__}); raise `timeout` for long outputs")
+        return ParrotTimeoutError(
+            f"no answer from {url} within {endpoint.timeout} s "
+            f"({type(exc).__name__}); raise `timeout` for long outputs"
+        )
     return ParrotConnectionError(f"cannot reach {url}: {type(exc).__name__}: {exc}")
 
 
@@ -186,7 +189,8 @@ class SyncTransport:
             return response.json()
         except ValueError:
             raise ParrotResponseError(
-                f"the answer of {path} is not JSON: {response.text[:200]!r}") from None
+                f"the answer of {path} is not JSON: {response.text[:200]!r}"
+            ) from None
 
     def stream(self, path: str, payload: dict) -> Iterator[dict]:
         """POST with `stream: true` and yield each SSE payload until `[DONE]`.
@@ -213,8 +217,9 @@ class SyncTransport:
         url = ep.url(path)
         attempt = 0
         while True:
-            request = self.client.build_request("POST", url, json=payload,
-                                                headers=ep.headers(stream), timeout=ep.timeout)
+            request = self.client.build_request(
+                "POST", url, json=payload, headers=ep.headers(stream), timeout=ep.timeout
+            )
             try:
                 response = self.client.send(request, stream=stream)
             except httpx.HTTPError as exc:
@@ -251,7 +256,8 @@ class AsyncTransport:
             return response.json()
         except ValueError:
             raise ParrotResponseError(
-                f"the answer of {path} is not JSON: {response.text[:200]!r}") from None
+                f"the answer of {path} is not JSON: {response.text[:200]!r}"
+            ) from None
 
     async def stream(self, path: str, payload: dict) -> AsyncIterator[dict]:
         """POST with `stream: true` and yield each SSE payload until `[DONE]`."""
@@ -275,8 +281,9 @@ class AsyncTransport:
         url = ep.url(path)
         attempt = 0
         while True:
-            request = self.client.build_request("POST", url, json=payload,
-                                                headers=ep.headers(stream), timeout=ep.timeout)
+            request = self.client.build_request(
+                "POST", url, json=payload, headers=ep.headers(stream), timeout=ep.timeout
+            )
             try:
                 response = await self.client.send(request, stream=stream)
             except httpx.HTTPError as exc:

@@ -125,8 +125,9 @@ def concrete(value: Any, values: dict[str, str], meta: dict[str, dict]) -> Any:
         return StringPromptValue(text=text) if value.prompt else text
     if isinstance(value, Chat):
         kinds = {"system": SystemMessage, "human": HumanMessage, "ai": AIMessage}
-        return ChatPromptValue(messages=[kinds[r](content=concrete(t, values, meta))
-                                         for r, t in value.messages])
+        return ChatPromptValue(
+            messages=[kinds[r](content=concrete(t, values, meta)) for r, t in value.messages]
+        )
     if isinstance(value, AIMsg):
         info = meta.get(value.call, {})
         return AIMessage(content=values[value.var.name], **info)
@@ -265,16 +266,18 @@ class Lowering:
             return [self.symbolize(v) for v in value]
         return value
 
-    async def walk(self, step: Any, value: Any, later: tuple[Any, ...],
-                   config: RunnableConfig | None) -> Any:
+    async def walk(
+        self, step: Any, value: Any, later: tuple[Any, ...], config: RunnableConfig | None
+    ) -> Any:
         """The symbolic output of `step` on `value`; `later`: the steps after it."""
         try:
             return await self._lower(step, value, later, config)
         except ClientStep:
             return await self._client(step, value, later, config)
 
-    async def _lower(self, step: Any, value: Any, later: tuple[Any, ...],
-                     config: RunnableConfig | None) -> Any:
+    async def _lower(
+        self, step: Any, value: Any, later: tuple[Any, ...], config: RunnableConfig | None
+    ) -> Any:
         if isinstance(step, RunnableSequence):
             steps = step.steps
             for i, s in enumerate(steps):
@@ -283,7 +286,8 @@ class Lowering:
         if isinstance(step, RunnableParallel):
             branches = step.steps__
             results = await self.scheduler.gather(
-                [self.walk(s, value, later, config) for s in branches.values()])
+                [self.walk(s, value, later, config) for s in branches.values()]
+            )
             return dict(zip(branches, results, strict=True))
         if isinstance(step, RunnableAssign):
             if not isinstance(value, dict):
@@ -305,8 +309,11 @@ class Lowering:
         if isinstance(step, RunnableEach):
             if not isinstance(value, list):
                 raise ClientStep  # a list the server makes: its length is not known here
-            return list(await self.scheduler.gather(
-                [self.walk(step.bound, v, later, config) for v in value]))
+            return list(
+                await self.scheduler.gather(
+                    [self.walk(step.bound, v, later, config) for v in value]
+                )
+            )
         model = model_of(step)
         if model is not None:
             return self._call(model, value)
@@ -411,9 +418,11 @@ class Lowering:
                         [msg] = convert_to_messages([item])
                         messages.append(self._message(msg))
             else:
-                role = {SystemMessagePromptTemplate: "system",
-                        HumanMessagePromptTemplate: "human",
-                        AIMessagePromptTemplate: "ai"}.get(type(m))
+                role = {
+                    SystemMessagePromptTemplate: "system",
+                    HumanMessagePromptTemplate: "human",
+                    AIMessagePromptTemplate: "ai",
+                }.get(type(m))
                 prompt = getattr(m, "prompt", None)
                 if role is None or not isinstance(prompt, PromptTemplate):
                     raise ClientStep  # multimodal contents, custom message templates
@@ -439,9 +448,14 @@ class Lowering:
                 if text is None:
                     raise ClientStep
                 messages = (("human", Text(text.pieces)),)
-            call = {"name": name, "outputs": {out: config}, "messages": [
-                *({"role": _ROLES[r], "content": template_of(t)} for r, t in messages),
-                {"role": "assistant", "content": f"{{{{output:{out}}}}}"}]}
+            call = {
+                "name": name,
+                "outputs": {out: config},
+                "messages": [
+                    *({"role": _ROLES[r], "content": template_of(t)} for r, t in messages),
+                    {"role": "assistant", "content": f"{{{{output:{out}}}}}"},
+                ],
+            }
             result: Any = AIMsg(Var(out), name)
             prompt: Any = Chat(tuple(messages))
         else:
@@ -454,8 +468,7 @@ class Lowering:
                 text = _as_text(value) or (value if isinstance(value, Text) else None)
                 if text is None:
                     raise ClientStep
-            call = {"name": name, "template": template_of(text, out),
-                    "outputs": {out: config}}
+            call = {"name": name, "template": template_of(text, out), "outputs": {out: config}}
             result = Var(out)
             prompt = Text(text.pieces, prompt=True)
         self.scheduler.session.add_call(call)
@@ -464,8 +477,9 @@ class Lowering:
         return result
 
     # ------------------------------------------------------------------ the client
-    async def _client(self, step: Any, value: Any, later: tuple[Any, ...],
-                      config: RunnableConfig | None) -> Any:
+    async def _client(
+        self, step: Any, value: Any, later: tuple[Any, ...], config: RunnableConfig | None
+    ) -> Any:
         """Run `step` on the client: get the values it needs, run it, feed its output
         back into the run as inputs."""
         self.client_steps += 1

@@ -36,8 +36,9 @@ class RunFailed(ParrotError):
 class RunSession:
     """One native run fed incrementally by a client; see the module doc."""
 
-    def __init__(self, client: httpx.AsyncClient, endpoint: Endpoint, *,
-                 on_event: EventHook | None = None) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, endpoint: Endpoint, *, on_event: EventHook | None = None
+    ) -> None:
         self.client = client
         self.endpoint = endpoint
         self.on_event = on_event
@@ -87,8 +88,12 @@ class RunSession:
         if self.run_id is None:
             if not self.calls:
                 raise ParrotResponseError("a run needs at least one call")
-            body = {"program": {"calls": self.calls}, "inputs": self._inputs_to_send(),
-                    "outputs": dict(self.outputs), "open": not close}
+            body = {
+                "program": {"calls": self.calls},
+                "inputs": self._inputs_to_send(),
+                "outputs": dict(self.outputs),
+                "open": not close,
+            }
             self.calls = []
             response = await self._send("/v1/runs?stream=true", body, stream=True)
             self.run_id = response.headers.get("x-parrot-run-id")
@@ -108,8 +113,9 @@ class RunSession:
         url = ep.url(path)
         attempt = 0
         while True:
-            request = self.client.build_request("POST", url, json=body,
-                                                headers=ep.headers(stream), timeout=ep.timeout)
+            request = self.client.build_request(
+                "POST", url, json=body, headers=ep.headers(stream), timeout=ep.timeout
+            )
             self.requests += 1
             try:
                 response = await self.client.send(request, stream=True)
@@ -204,7 +210,8 @@ class RunSession:
         if running:
             try:
                 url = self.endpoint.url(f"/v1/runs/{self.run_id}/cancel")
-                await self.client.post(url, headers=self.endpoint.headers(False),
-                                       timeout=self.endpoint.timeout)
+                await self.client.post(
+                    url, headers=self.endpoint.headers(False), timeout=self.endpoint.timeout
+                )
             except httpx.HTTPError:
                 pass  # the server may be gone: nothing more to stop

@@ -131,4 +131,5 @@ def parse(cls: type[W], data: object, what: str) -> W:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise ParrotResponseError(
-            f"malformed {what} from the server: {where}: {first['msg']}") from None
+            f"malformed {what} from the server: {where}: {first['msg']}"
+        ) from None

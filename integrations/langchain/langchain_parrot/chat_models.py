@@ -121,44 +121,63 @@ class ChatParrot(ParrotParams, BaseChatModel):
         if schema is None and method != "json_mode":
             raise ValueError(f"method {method!r} needs a schema")
         is_model = isinstance(schema, type) and issubclass(schema, BaseModel)
-        traced = {"kwargs": {"method": method, "strict": strict},
-                  "schema": convert_to_json_schema(schema) if schema is not None else None}
+        traced = {
+            "kwargs": {"method": method, "strict": strict},
+            "schema": convert_to_json_schema(schema) if schema is not None else None,
+        }
         if method == "function_calling":
             tool = convert_to_openai_tool(schema, strict=strict)
             name = tool["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, strict=strict,
-                                  parallel_tool_calls=False,
-                                  ls_structured_output_format=traced)
-            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True)
-                                if is_model else
-                                JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+            llm = self.bind_tools(
+                [schema],
+                tool_choice=name,
+                strict=strict,
+                parallel_tool_calls=False,
+                ls_structured_output_format=traced,
+            )
+            parser: Runnable = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)
+                if is_model
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
         elif method == "json_schema":
             json_schema = convert_to_json_schema(schema)
             fmt = {"name": json_schema.get("title") or "output", "schema": json_schema}
             if strict is not None:
                 fmt["strict"] = strict
-            llm = self.bind(response_format={"type": "json_schema", "json_schema": fmt},
-                            ls_structured_output_format=traced)
-            parser = PydanticOutputParser(pydantic_object=schema) if is_model else \
-                JsonOutputParser()
+            llm = self.bind(
+                response_format={"type": "json_schema", "json_schema": fmt},
+                ls_structured_output_format=traced,
+            )
+            parser = (
+                PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
+            )
         elif method == "json_mode":
-            llm = self.bind(response_format={"type": "json_object"},
-                            ls_structured_output_format=traced)
-            parser = PydanticOutputParser(pydantic_object=schema) if is_model else \
-                JsonOutputParser()
+            llm = self.bind(
+                response_format={"type": "json_object"}, ls_structured_output_format=traced
+            )
+            parser = (
+                PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
+            )
         else:
-            raise ValueError(f"method must be json_schema, function_calling or json_mode, "
-                             f"got {method!r}")
+            raise ValueError(
+                f"method must be json_schema, function_calling or json_mode, got {method!r}"
+            )
         if not include_raw:
             return llm | parser
-        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser,
-                                            parsing_error=lambda _: None)
+        parsed = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        )
         failed = RunnablePassthrough.assign(parsed=lambda _: None)
-        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed],
-                                                           exception_key="parsing_error")
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any], stream: bool) -> dict[str, Any]:
+    def _request(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        stream: bool,
+    ) -> dict[str, Any]:
         payload = self._payload(stop, kwargs)
         payload["messages"] = [message_to_dict(m) for m in messages]
         if stream:
@@ -166,23 +185,35 @@ class ChatParrot(ParrotParams, BaseChatModel):
             payload["stream_options"] = {"include_usage": True}
         return payload
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None,
-                  **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         payload = self._request(messages, stop, kwargs, stream=False)
         return chat_result(self._transport().post(CHAT_PATH, payload))
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                         **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         payload = self._request(messages, stop, kwargs, stream=False)
         async with self._atransport() as transport:
             body = await transport.post(CHAT_PATH, payload)
         return chat_result(body)
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None,
-                **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         payload = self._request(messages, stop, kwargs, stream=True)
         state = _StreamState()
         for item in self._transport().stream(CHAT_PATH, payload):
@@ -196,9 +227,13 @@ class ChatParrot(ParrotParams, BaseChatModel):
             run_manager.on_llm_new_token(last.text, chunk=last)
         yield last
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         payload = self._request(messages, stop, kwargs, stream=True)
         state = _StreamState()
         async with self._atransport() as transport:
@@ -221,8 +256,10 @@ def message_to_dict(message: BaseMessage) -> dict[str, Any]:
     else:
         role = _ROLES.get(message.type, "")
     if role not in _SERVER_ROLES:
-        raise ValueError(f"ChatParrot cannot send a {message.type!r} message "
-                         f"(role {role or message.type!r}); use system, human, ai or tool")
+        raise ValueError(
+            f"ChatParrot cannot send a {message.type!r} message "
+            f"(role {role or message.type!r}); use system, human, ai or tool"
+        )
     out: dict[str, Any] = {"role": role, "content": _content(message)}
     if message.name:
         out["name"] = message.name
@@ -230,10 +267,16 @@ def message_to_dict(message: BaseMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if isinstance(message, AIMessage) and message.tool_calls:
         out["tool_calls"] = [
-            {"id": call["id"] or f"call_{i}", "type": "function",
-             "function": {"name": call["name"],
-                          "arguments": json.dumps(call["args"], ensure_ascii=False)}}
-            for i, call in enumerate(message.tool_calls)]
+            {
+                "id": call["id"] or f"call_{i}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(call["args"], ensure_ascii=False),
+                },
+            }
+            for i, call in enumerate(message.tool_calls)
+        ]
     return out
 
 
@@ -264,8 +307,10 @@ def _content(message: BaseMessage) -> str | list[dict[str, str]]:
         if kind == "text":
             parts.append({"type": "text", "text": str(block.get("text", ""))})
         elif kind not in _SKIPPED_BLOCKS:
-            raise ValueError(f"ChatParrot sends text only; this {message.type} message has "
-                             f"a {kind!r} content block")
+            raise ValueError(
+                f"ChatParrot sends text only; this {message.type} message has "
+                f"a {kind!r} content block"
+            )
     return parts if parts else ""
 
 
@@ -273,9 +318,11 @@ def usage_metadata(usage: Usage | None) -> UsageMetadata | None:
     """The server's token counts as LangChain's UsageMetadata."""
     if usage is None:
         return None
-    return UsageMetadata(input_tokens=usage.prompt_tokens,
-                         output_tokens=usage.completion_tokens,
-                         total_tokens=usage.total_tokens)
+    return UsageMetadata(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+    )
 
 
 def chat_result(body: Any) -> ChatResult:
@@ -290,11 +337,15 @@ def chat_result(body: Any) -> ChatResult:
             invalid_tool_calls=invalid,
             id=completion.id,
             usage_metadata=usage_metadata(completion.usage),
-            response_metadata={"model_name": completion.model, "model_provider": "parrot",
-                               "finish_reason": choice.finish_reason},
+            response_metadata={
+                "model_name": completion.model,
+                "model_provider": "parrot",
+                "finish_reason": choice.finish_reason,
+            },
         )
-        generations.append(ChatGeneration(
-            message=message, generation_info={"finish_reason": choice.finish_reason}))
+        generations.append(
+            ChatGeneration(message=message, generation_info={"finish_reason": choice.finish_reason})
+        )
     llm_output: dict[str, Any] = {"model_name": completion.model}
     if completion.usage is not None:
         llm_output["token_usage"] = usage_dict(completion.usage)
@@ -309,13 +360,24 @@ def _tool_calls(wire: list) -> tuple[list, list]:
         try:
             args = json.loads(call.function.arguments or "{}")
         except ValueError as exc:
-            invalid.append(invalid_tool_call(name=call.function.name, id=call.id,
-                                             args=call.function.arguments, error=str(exc)))
+            invalid.append(
+                invalid_tool_call(
+                    name=call.function.name,
+                    id=call.id,
+                    args=call.function.arguments,
+                    error=str(exc),
+                )
+            )
             continue
         if not isinstance(args, dict):
-            invalid.append(invalid_tool_call(name=call.function.name, id=call.id,
-                                             args=call.function.arguments,
-                                             error="arguments are not a JSON object"))
+            invalid.append(
+                invalid_tool_call(
+                    name=call.function.name,
+                    id=call.id,
+                    args=call.function.arguments,
+                    error="arguments are not a JSON object",
+                )
+            )
             continue
         calls.append(tool_call(name=call.function.name, args=args, id=call.id))
     return calls, invalid
@@ -345,18 +407,28 @@ class _StreamState:
             text += choice.delta.content or ""
             for part in choice.delta.tool_calls or []:
                 # merged by index: the first piece has id and name, later ones arguments
-                calls.append(tool_call_chunk(name=part.function.name, id=part.id,
-                                             args=part.function.arguments, index=part.index))
+                calls.append(
+                    tool_call_chunk(
+                        name=part.function.name,
+                        id=part.id,
+                        args=part.function.arguments,
+                        index=part.index,
+                    )
+                )
         if not text and not calls:
             return None
         return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
 
     def last(self) -> ChatGenerationChunk:
-        metadata: dict[str, Any] = {"finish_reason": self.finish_reason,
-                                    "model_provider": "parrot"}
+        metadata: dict[str, Any] = {"finish_reason": self.finish_reason, "model_provider": "parrot"}
         if self.model is not None:
             metadata["model_name"] = self.model
-        message = AIMessageChunk(content="", usage_metadata=usage_metadata(self.usage),
-                                 response_metadata=metadata, chunk_position="last")
-        return ChatGenerationChunk(message=message,
-                                   generation_info={"finish_reason": self.finish_reason})
+        message = AIMessageChunk(
+            content="",
+            usage_metadata=usage_metadata(self.usage),
+            response_metadata=metadata,
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(
+            message=message, generation_info={"finish_reason": self.finish_reason}
+        )

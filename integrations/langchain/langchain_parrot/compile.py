@@ -112,8 +112,12 @@ class Tracer:
     """LLM-step callbacks built from the run's events (`on_llm_start`/`new_token`/`end`,
     or `on_chat_model_start` for chat models), children of the compiled chain's run."""
 
-    def __init__(self, manager: CallbackManager | AsyncCallbackManager | None,
-                 lowering: Lowering, session: RunSession) -> None:
+    def __init__(
+        self,
+        manager: CallbackManager | AsyncCallbackManager | None,
+        lowering: Lowering,
+        session: RunSession,
+    ) -> None:
         self.manager = manager
         self.lowering = lowering
         self.session = session
@@ -143,11 +147,19 @@ class Tracer:
             prompt = concrete(low.prompts[call], self.session.values, low.meta)
             serialized = model.model.to_json() if hasattr(model.model, "to_json") else {}
             if isinstance(model.model, ChatParrot):
-                runs = await self._call(self.manager.on_chat_model_start, serialized,
-                                        [prompt.to_messages()], name=model.model.get_name())
+                runs = await self._call(
+                    self.manager.on_chat_model_start,
+                    serialized,
+                    [prompt.to_messages()],
+                    name=model.model.get_name(),
+                )
             else:
-                runs = await self._call(self.manager.on_llm_start, serialized,
-                                        [prompt.to_string()], name=model.model.get_name())
+                runs = await self._call(
+                    self.manager.on_llm_start,
+                    serialized,
+                    [prompt.to_string()],
+                    name=model.model.get_name(),
+                )
             self.runs[call] = runs[0]
         elif kind == "token" and call in self.runs:
             await self._call(self.runs[call].on_llm_new_token, payload.get("text", ""))
@@ -158,7 +170,9 @@ class Tracer:
                 text = "".join(self.texts.get(call, []))
                 gen: Generation = (
                     ChatGeneration(message=AIMessage(content=text, **meta))
-                    if isinstance(model.model, ChatParrot) else Generation(text=text))
+                    if isinstance(model.model, ChatParrot)
+                    else Generation(text=text)
+                )
                 await self._call(run.on_llm_end, LLMResult(generations=[[gen]]))
         elif kind == "call_failed":
             run = self.runs.pop(call, None)
@@ -168,13 +182,19 @@ class Tracer:
     def _meta(self, call: str, payload: dict[str, Any]) -> dict[str, Any]:
         model = self.lowering.models[call].model
         reasons = payload.get("finish_reasons") or {}
-        meta: dict[str, Any] = {"response_metadata": {
-            "model_name": model.model,
-            "finish_reason": next(iter(reasons.values()), None)}}
+        meta: dict[str, Any] = {
+            "response_metadata": {
+                "model_name": model.model,
+                "finish_reason": next(iter(reasons.values()), None),
+            }
+        }
         prompt, completion = payload.get("prompt_tokens"), payload.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
-            meta["usage_metadata"] = {"input_tokens": prompt, "output_tokens": completion,
-                                      "total_tokens": prompt + completion}
+            meta["usage_metadata"] = {
+                "input_tokens": prompt,
+                "output_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
         self.lowering.meta[call] = meta
         return meta
 
@@ -203,8 +223,10 @@ class CompiledChain(Runnable[Any, Any]):
             raise ValueError("the chain has no ChatParrot or ParrotLLM step to compile")
         endpoints = {m.model._endpoint.url("") for m in self.models}
         if len(endpoints) != 1:
-            raise ValueError(f"the chain's Parrot models use several servers {endpoints}: "
-                             "a compiled chain runs on one")
+            raise ValueError(
+                f"the chain's Parrot models use several servers {endpoints}: "
+                "a compiled chain runs on one"
+            )
         self.endpoint = self.models[0].model._endpoint
         self.last_requests = 0  # HTTP requests of the last invoke/batch (tests, plan())
 
@@ -227,32 +249,48 @@ class CompiledChain(Runnable[Any, Any]):
         trips = _plan(self.chain, False, steps)[1]
         # a round trip costs a request when server work follows it (else the request
         # before it closed the run)
-        follow = sum(1 for i, st in enumerate(steps) if st.get("round_trip")
-                     and any(x["where"] == "server" for x in steps[i + 1 :]))
+        follow = sum(
+            1
+            for i, st in enumerate(steps)
+            if st.get("round_trip") and any(x["where"] == "server" for x in steps[i + 1 :])
+        )
         return {"steps": steps, "round_trips": trips, "requests": 1 + follow}
 
     # ------------------------------------------------------------------ running
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         return self._call_with_config(
             lambda x, run_manager, config: _run_sync(self._arun([x], config, run_manager))[0],
-            input, config, run_type="chain")
+            input,
+            config,
+            run_type="chain",
+        )
 
-    async def ainvoke(self, input: Any, config: RunnableConfig | None = None,
-                      **kwargs: Any) -> Any:
+    async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         async def go(x: Any, run_manager: Any, config: RunnableConfig) -> Any:
             return (await self._arun([x], config, run_manager))[0]
 
         return await self._acall_with_config(go, input, config, run_type="chain")
 
-    def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None,
-              *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+    def batch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
         if not inputs:
             return []
         return _run_sync(self.abatch(inputs, config, return_exceptions=return_exceptions))
 
-    async def abatch(self, inputs: list[Any],
-                     config: RunnableConfig | list[RunnableConfig] | None = None, *,
-                     return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+    async def abatch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Every input in one run: shared prefixes filled once, one request."""
         if not inputs:
             return []
@@ -260,18 +298,23 @@ class CompiledChain(Runnable[Any, Any]):
         try:
             return await self._acall_with_config(
                 lambda xs, run_manager, config: self._arun(xs, config, run_manager),
-                list(inputs), one, run_type="chain")
+                list(inputs),
+                one,
+                run_type="chain",
+            )
         except Exception as exc:
             if return_exceptions:
                 return [exc] * len(inputs)
             raise
 
-    def stream(self, input: Any, config: RunnableConfig | None = None,
-               **kwargs: Any) -> Iterator[Any]:
+    def stream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
         yield from _iterate_sync(self.astream(input, config))
 
-    async def astream(self, input: Any, config: RunnableConfig | None = None,
-                      **kwargs: Any) -> AsyncIterator[Any]:
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
         """The final output's tokens as they are generated (the chain's last LLM step,
         through StrOutputParser or not); another final step yields its value once."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -281,9 +324,13 @@ class CompiledChain(Runnable[Any, Any]):
         async def go() -> None:
             try:
                 holder["out"] = await self._acall_with_config(
-                    lambda x, run_manager, config: self._arun([x], config, run_manager,
-                                                              events=queue),
-                    input, config, run_type="chain")
+                    lambda x, run_manager, config: self._arun(
+                        [x], config, run_manager, events=queue
+                    ),
+                    input,
+                    config,
+                    run_type="chain",
+                )
             except BaseException as exc:  # re-raised to the consumer
                 holder["error"] = exc
             finally:
@@ -318,8 +365,13 @@ class CompiledChain(Runnable[Any, Any]):
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def _arun(self, inputs: list[Any], config: RunnableConfig, run_manager: Any,
-                    events: asyncio.Queue | None = None) -> list[Any]:
+    async def _arun(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig,
+        run_manager: Any,
+        events: asyncio.Queue | None = None,
+    ) -> list[Any]:
         async with httpx.AsyncClient() as client:
             run = self._start(client, run_manager)
             if events is not None:
@@ -350,8 +402,7 @@ class CompiledChain(Runnable[Any, Any]):
         await self._context()
         low, sched = run.lowering, run.scheduler
         sched.active = len(inputs)
-        walkers = [sched.walker(low.walk(self.chain, low.symbolize(x), (), config))
-                   for x in inputs]
+        walkers = [sched.walker(low.walk(self.chain, low.symbolize(x), (), config)) for x in inputs]
         return await gather_all(walkers)
 
     async def _values(self, run: _Run, outputs: list[Any]) -> dict[str, str]:
@@ -374,13 +425,15 @@ class CompiledChain(Runnable[Any, Any]):
         leaves max_tokens unset (the chat route then generates up to the context)."""
         key = self.endpoint.url("")
         if key in _CONTEXT or not any(
-                m.model.max_tokens is None and "max_tokens" not in m.kwargs
-                for m in self.models):
+            m.model.max_tokens is None and "max_tokens" not in m.kwargs for m in self.models
+        ):
             return
         async with httpx.AsyncClient() as client:
-            r = await client.get(self.endpoint.url("/v1/models"),
-                                 headers=self.endpoint.headers(False),
-                                 timeout=self.endpoint.timeout)
+            r = await client.get(
+                self.endpoint.url("/v1/models"),
+                headers=self.endpoint.headers(False),
+                timeout=self.endpoint.timeout,
+            )
         data = r.json().get("data") if r.status_code == 200 else None
         _CONTEXT[key] = data[0].get("max_model_len") if data else None
 
@@ -425,8 +478,12 @@ def _final_call(output: Any) -> dict[str, Any]:
         return {"call": output.call, "chat": True}
     if isinstance(output, Var) and output.name.startswith("o"):
         return {"call": f"c{output.name[1:]}", "chat": False}
-    if isinstance(output, Text) and len(output.pieces) == 1 and isinstance(
-            output.pieces[0], Var) and output.pieces[0].name.startswith("o"):
+    if (
+        isinstance(output, Text)
+        and len(output.pieces) == 1
+        and isinstance(output.pieces[0], Var)
+        and output.pieces[0].name.startswith("o")
+    ):
         return {"call": f"c{output.pieces[0].name[1:]}", "chat": False}
     return {}
 
@@ -475,8 +532,9 @@ def _plan(step: Any, server_data: bool, out: list[dict[str, Any]]) -> tuple[bool
             trips += t
         return server_data, trips
     if isinstance(step, (RunnableParallel, RunnableAssign)):
-        branches = (step.steps__ if isinstance(step, RunnableParallel)
-                    else step.mapper.steps__).values()
+        branches = (
+            step.steps__ if isinstance(step, RunnableParallel) else step.mapper.steps__
+        ).values()
         results = [_plan(s, server_data, out) for s in branches]
         data = any(d for d, _ in results) or (isinstance(step, RunnableAssign) and server_data)
         return data, max((t for _, t in results), default=0)
@@ -484,8 +542,10 @@ def _plan(step: Any, server_data: bool, out: list[dict[str, Any]]) -> tuple[bool
         return _plan(step.bound, server_data, out)
     if isinstance(step, RunnableBinding) and not step.kwargs:
         return _plan(step.bound, server_data, out)
-    if isinstance(step, (RunnablePassthrough, RunnablePick, PromptTemplate, ChatPromptTemplate,
-                         StrOutputParser)) or _is_pick(step):
+    if isinstance(
+        step,
+        (RunnablePassthrough, RunnablePick, PromptTemplate, ChatPromptTemplate, StrOutputParser),
+    ) or _is_pick(step):
         return server_data, 0
     out.append({"step": step.get_name(), "where": "client", "round_trip": server_data})
     return False, 1 if server_data else 0

@@ -20,8 +20,15 @@ class ParrotAPIError(ParrotError):
     OpenAI-shaped error body, when it sent one.
     """
 
-    def __init__(self, message: str, *, status_code: int | None = None, type: str | None = None,
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         self.message = message
         self.status_code = status_code
         self.type = type

@@ -54,8 +54,9 @@ class ParrotLLM(ParrotParams, BaseLLM):
         params = super()._get_ls_params(stop=stop, **kwargs)
         return self._fill_ls_params(params, stop, kwargs)
 
-    def _request(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any],
-                 stream: bool) -> dict[str, Any]:
+    def _request(
+        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any], stream: bool
+    ) -> dict[str, Any]:
         payload = self._payload(stop, kwargs)
         payload["prompt"] = prompt
         if stream:
@@ -63,9 +64,13 @@ class ParrotLLM(ParrotParams, BaseLLM):
             payload["stream_options"] = {"include_usage": True}
         return payload
 
-    def _generate(self, prompts: list[str], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None,
-                  **kwargs: Any) -> LLMResult:
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         if self.streaming:
             chunks = [_join(self._stream(p, stop, run_manager, **kwargs)) for p in prompts]
             return _streamed_result(chunks)
@@ -79,16 +84,20 @@ class ParrotLLM(ParrotParams, BaseLLM):
                 bodies = list(pool.map(lambda p: transport.post(COMPLETIONS_PATH, p), payloads))
         return llm_result(bodies)
 
-    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                         **kwargs: Any) -> LLMResult:
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         if self.streaming:
-            chunks = [await _ajoin(self._astream(p, stop, run_manager, **kwargs))
-                      for p in prompts]
+            chunks = [await _ajoin(self._astream(p, stop, run_manager, **kwargs)) for p in prompts]
             return _streamed_result(chunks)
         payloads = [self._request(p, stop, kwargs, stream=False) for p in prompts]
         bound = asyncio.Semaphore(self.parallel_requests)
         async with self._atransport() as transport:
+
             async def one(payload: dict[str, Any]) -> Any:
                 async with bound:
                     return await transport.post(COMPLETIONS_PATH, payload)
@@ -96,9 +105,13 @@ class ParrotLLM(ParrotParams, BaseLLM):
             bodies = await asyncio.gather(*(one(p) for p in payloads))
         return llm_result(list(bodies))
 
-    def _stream(self, prompt: str, stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None,
-                **kwargs: Any) -> Iterator[GenerationChunk]:
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
         payload = self._request(prompt, stop, kwargs, stream=True)
         state = _StreamState()
         for item in self._transport().stream(COMPLETIONS_PATH, payload):
@@ -112,9 +125,13 @@ class ParrotLLM(ParrotParams, BaseLLM):
             run_manager.on_llm_new_token(last.text, chunk=last)
         yield last
 
-    async def _astream(self, prompt: str, stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
         payload = self._request(prompt, stop, kwargs, stream=True)
         state = _StreamState()
         async with self._atransport() as transport:
@@ -140,14 +157,18 @@ def llm_result(bodies: list[Any]) -> LLMResult:
         if not completion.choices:
             raise ParrotResponseError("malformed completion from the server: no choices")
         model = completion.model
-        generations.append([
-            Generation(text=c.text, generation_info={"finish_reason": c.finish_reason})
-            for c in sorted(completion.choices, key=lambda c: c.index)])
+        generations.append(
+            [
+                Generation(text=c.text, generation_info={"finish_reason": c.finish_reason})
+                for c in sorted(completion.choices, key=lambda c: c.index)
+            ]
+        )
         if completion.usage is not None:
             for key, value in usage_dict(completion.usage).items():
                 total[key] += value
-    return LLMResult(generations=generations,
-                     llm_output={"token_usage": total, "model_name": model})
+    return LLMResult(
+        generations=generations, llm_output={"token_usage": total, "model_name": model}
+    )
 
 
 def _join(chunks: Iterator[GenerationChunk]) -> GenerationChunk:
@@ -176,8 +197,9 @@ def _streamed_result(chunks: list[GenerationChunk]) -> LLMResult:
         for key, value in (info.pop("token_usage", None) or {}).items():
             total[key] += value
         generations.append([Generation(text=chunk.text, generation_info=info)])
-    return LLMResult(generations=generations,
-                     llm_output={"token_usage": total, "model_name": model})
+    return LLMResult(
+        generations=generations, llm_output={"token_usage": total, "model_name": model}
+    )
 
 
 class _StreamState:

@@ -45,8 +45,18 @@ def parrot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ParrotSe
     log_path = data_dir / "serve.log"
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "parrot_backend.cli", "serve", "--port", str(port),
-           "--data-dir", str(data_dir), "--api-key", API_KEY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "parrot_backend.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--api-key",
+        API_KEY,
+    ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -61,8 +71,7 @@ def parrot_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ParrotSe
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"serve did not answer in {START_TIMEOUT_S} s:\n"
-                            f"{_log_tail(log_path)}")
+                pytest.fail(f"serve did not answer in {START_TIMEOUT_S} s:\n{_log_tail(log_path)}")
             time.sleep(0.2)
         yield ParrotServer(url, API_KEY, log_path)
     finally:

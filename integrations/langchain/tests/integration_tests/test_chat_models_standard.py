@@ -40,8 +40,14 @@ class TestChatParrotIntegration(ChatModelIntegrationTests):
     def chat_model_params(self) -> dict:
         # Greedy and bounded: the integration suite adds no parameters of its own, and the
         # server's default budget is the rest of the context (minutes of CPU decoding).
-        return {"model": MODEL, "base_url": self.server.url, "api_key": self.server.api_key,
-                "temperature": 0, "max_tokens": 32, "timeout": 120}
+        return {
+            "model": MODEL,
+            "base_url": self.server.url,
+            "api_key": self.server.api_key,
+            "temperature": 0,
+            "max_tokens": 32,
+            "timeout": 120,
+        }
 
     @property
     def has_tool_calling(self) -> bool:

@@ -29,14 +29,20 @@ DOCS = [
     "Rivers carry water from mountains to the sea and shape the land.",
     "Clocks measure time with gears, springs or quartz crystals.",
 ]
-SYSTEM = ("You are a careful assistant. You answer in one short sentence, plainly, and you "
-          "never add a greeting or a question of your own. ")
+SYSTEM = (
+    "You are a careful assistant. You answer in one short sentence, plainly, and you "
+    "never add a greeting or a question of your own. "
+)
 
 
 @pytest.fixture(scope="module")
 def models(parrot_server):
-    kw = {"base_url": parrot_server.url, "api_key": parrot_server.api_key,
-          "temperature": 0, "max_tokens": N}
+    kw = {
+        "base_url": parrot_server.url,
+        "api_key": parrot_server.api_key,
+        "temperature": 0,
+        "max_tokens": N,
+    }
     return ChatParrot(**kw), ParrotLLM(**kw)
 
 
@@ -51,78 +57,132 @@ def _shapes(chat, llm):
     # 2. chain of summaries (refine)
     refine = (
         RunnablePassthrough.assign(a=PromptTemplate.from_template("Summarize: {d0}\n") | llm)
-        | RunnablePassthrough.assign(b=PromptTemplate.from_template(
-            "Summary so far: {a}\nAdd: {d1}\nNew summary:") | llm)
-        | PromptTemplate.from_template("Summary so far: {b}\nAdd: {d2}\nFinal summary:") | llm)
+        | RunnablePassthrough.assign(
+            b=PromptTemplate.from_template("Summary so far: {a}\nAdd: {d1}\nNew summary:") | llm
+        )
+        | PromptTemplate.from_template("Summary so far: {b}\nAdd: {d2}\nFinal summary:")
+        | llm
+    )
     shapes["refine"] = (refine, {f"d{i}": d for i, d in enumerate(DOCS)}, 1)
     # 3. multi-agent fan-out / fan-in: agents read a generated plan as their prefix
     plan = PromptTemplate.from_template(SYSTEM + "Task: {task}\nPlan:") | llm
-    agents = {f"a{i}": PromptTemplate.from_template(
-        "Team plan: {plan}\nYou are agent " + str(i) + ". Your part:") | llm for i in range(3)}
+    agents = {
+        f"a{i}": PromptTemplate.from_template(
+            "Team plan: {plan}\nYou are agent " + str(i) + ". Your part:"
+        )
+        | llm
+        for i in range(3)
+    }
     merge = PromptTemplate.from_template("Parts: {a0} | {a1} | {a2}\nMerged:") | llm
-    shapes["multi_agent"] = (RunnableParallel(plan=plan) | agents | merge,
-                             {"task": "build a nest"}, 1)
+    shapes["multi_agent"] = (
+        RunnableParallel(plan=plan) | agents | merge,
+        {"task": "build a nest"},
+        1,
+    )
     # 4. chat with a shared system message and history
     chat_prompt = ChatPromptTemplate.from_messages(
-        [("system", SYSTEM), MessagesPlaceholder("history"), ("human", "{question}")])
+        [("system", SYSTEM), MessagesPlaceholder("history"), ("human", "{question}")]
+    )
     history = [HumanMessage("What do parrots eat?"), AIMessage("Seeds and fruit.")]
-    shapes["chat_history"] = (chat_prompt | chat | s,
-                              {"history": history, "question": "And where do they live?"}, 1)
+    shapes["chat_history"] = (
+        chat_prompt | chat | s,
+        {"history": history, "question": "And where do they live?"},
+        1,
+    )
     # 5. an .assign pipeline with a dict output
-    assign = RunnablePassthrough.assign(
-        summary=summarize | llm).assign(
-        title=PromptTemplate.from_template("Title for: {summary}\nTitle:") | llm)
+    assign = RunnablePassthrough.assign(summary=summarize | llm).assign(
+        title=PromptTemplate.from_template("Title for: {summary}\nTitle:") | llm
+    )
     shapes["assign"] = (assign, {"doc": DOCS[0]}, 1)
     # 6. nested parallels
     nested = RunnableParallel(
-        outer={"x": PromptTemplate.from_template("One word for {t}:") | llm,
-               "y": PromptTemplate.from_template("Two words for {t}:") | llm},
-        z=PromptTemplate.from_template("A fact about {t}:") | llm)
+        outer={
+            "x": PromptTemplate.from_template("One word for {t}:") | llm,
+            "y": PromptTemplate.from_template("Two words for {t}:") | llm,
+        },
+        z=PromptTemplate.from_template("A fact about {t}:") | llm,
+    )
     shapes["nested_parallel"] = (nested, {"t": "rivers"}, 1)
     # 7. .map() over a list input
     shapes["map_list"] = ((summarize | llm).map(), [{"doc": d} for d in DOCS], 1)
     # 8. a model bound with stop
-    shapes["bind_stop"] = (PromptTemplate.from_template("List birds:\n1.") | llm.bind(
-        stop=["\n"]), {}, 1)
+    shapes["bind_stop"] = (
+        PromptTemplate.from_template("List birds:\n1.") | llm.bind(stop=["\n"]),
+        {},
+        1,
+    )
     # 9. a lambda in the middle: one round trip
-    middle = (PromptTemplate.from_template("A color like {c}:") | llm
-              | RunnableLambda(lambda text: text.strip().upper()[:20])
-              | PromptTemplate.from_template("Say it again: {x}\n") | llm)
+    middle = (
+        PromptTemplate.from_template("A color like {c}:")
+        | llm
+        | RunnableLambda(lambda text: text.strip().upper()[:20])
+        | PromptTemplate.from_template("Say it again: {x}\n")
+        | llm
+    )
     shapes["lambda_middle"] = (middle, {"c": "red"}, 2)
     # 10. a JSON parser at the end (runs on the client, no request after it)
-    json_chain = (PromptTemplate.from_template('Reply with {{"answer": "{a}"}} exactly:\n')
-                  | llm.bind(stop=["}"]) | RunnableLambda(lambda t: t + "}")
-                  | RunnableLambda(lambda t: t if t.strip().startswith("{") else '{"x": 1}')
-                  | JsonOutputParser())
+    json_chain = (
+        PromptTemplate.from_template('Reply with {{"answer": "{a}"}} exactly:\n')
+        | llm.bind(stop=["}"])
+        | RunnableLambda(lambda t: t + "}")
+        | RunnableLambda(lambda t: t if t.strip().startswith("{") else '{"x": 1}')
+        | JsonOutputParser()
+    )
     shapes["json_end"] = (json_chain, {"a": "yes"}, 1)
     # 11. a branch (decided on the client from a generated value)
-    branch = (PromptTemplate.from_template("Is {t} a bird? Answer:") | llm
-              | RunnableBranch((lambda v: "yes" in v.lower(), RunnableLambda(lambda v: "BIRD")),
-                               RunnableLambda(lambda v: "OTHER")))
+    branch = (
+        PromptTemplate.from_template("Is {t} a bird? Answer:")
+        | llm
+        | RunnableBranch(
+            (lambda v: "yes" in v.lower(), RunnableLambda(lambda v: "BIRD")),
+            RunnableLambda(lambda v: "OTHER"),
+        )
+    )
     shapes["branch"] = (branch, {"t": "a parrot"}, 1)
     # 12. two steps sharing a long static prefix
     long_system = SYSTEM * 6
-    two = RunnableParallel(a=PromptTemplate.from_template(long_system + "Q: {q1}\nA:") | llm,
-                           b=PromptTemplate.from_template(long_system + "Q: {q2}\nA:") | llm)
-    shapes["shared_prefix"] = (two, {"q1": "Why is the sky blue?", "q2": "Why is grass green?"},
-                               1)
+    two = RunnableParallel(
+        a=PromptTemplate.from_template(long_system + "Q: {q1}\nA:") | llm,
+        b=PromptTemplate.from_template(long_system + "Q: {q2}\nA:") | llm,
+    )
+    shapes["shared_prefix"] = (two, {"q1": "Why is the sky blue?", "q2": "Why is grass green?"}, 1)
     # 13. a chat prompt into a text model (its buffer string)
-    shapes["chat_to_llm"] = (ChatPromptTemplate.from_messages(
-        [("system", "Be brief."), ("human", "Name a {kind}.")]) | llm, {"kind": "river"}, 1)
+    shapes["chat_to_llm"] = (
+        ChatPromptTemplate.from_messages([("system", "Be brief."), ("human", "Name a {kind}.")])
+        | llm,
+        {"kind": "river"},
+        1,
+    )
     # 14. picks, partial variables and a mustache template
-    mustache = PromptTemplate.from_template("Hello {{name}}, {{{greeting}}}! Reply:",
-                                            template_format="mustache")
-    picks = ({"name": itemgetter("person"), "greeting": lambda _: "welcome"} | mustache | llm)
+    mustache = PromptTemplate.from_template(
+        "Hello {{name}}, {{{greeting}}}! Reply:", template_format="mustache"
+    )
+    picks = {"name": itemgetter("person"), "greeting": lambda _: "welcome"} | mustache | llm
     shapes["picks_mustache"] = (picks, {"person": "Ada <3"}, 1)
     partial = PromptTemplate.from_template("{intro} Tell me about {topic}:").partial(
-        intro="Please be brief.")
+        intro="Please be brief."
+    )
     shapes["partial"] = (partial | chat | s, {"topic": "clocks"}, 1)
     return shapes
 
 
-SHAPES = ["map_reduce", "refine", "multi_agent", "chat_history", "assign", "nested_parallel",
-          "map_list", "bind_stop", "lambda_middle", "json_end", "branch", "shared_prefix",
-          "chat_to_llm", "picks_mustache", "partial"]
+SHAPES = [
+    "map_reduce",
+    "refine",
+    "multi_agent",
+    "chat_history",
+    "assign",
+    "nested_parallel",
+    "map_list",
+    "bind_stop",
+    "lambda_middle",
+    "json_end",
+    "branch",
+    "shared_prefix",
+    "chat_to_llm",
+    "picks_mustache",
+    "partial",
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -202,9 +262,13 @@ class Recorder(BaseCallbackHandler):
 
 def test_callbacks_see_the_chain_and_each_llm_step(models):
     chat, llm = models
-    chain = (PromptTemplate.from_template("Write about {t}:") | llm
-             | RunnableLambda(lambda v: {"text": v})
-             | ChatPromptTemplate.from_messages([("human", "Shorten: {text}")]) | chat)
+    chain = (
+        PromptTemplate.from_template("Write about {t}:")
+        | llm
+        | RunnableLambda(lambda v: {"text": v})
+        | ChatPromptTemplate.from_messages([("human", "Shorten: {text}")])
+        | chat
+    )
     rec = Recorder()
     compile_chain(chain).invoke({"t": "rivers"}, config={"callbacks": [rec]})
     assert rec.events[0] == "chain_start" and rec.events[-1] == "chain_end"

@@ -23,8 +23,9 @@ PROMPTS = ["1, 2, 3, 4,", "Monday, Tuesday,", "The capital of France is"]
 
 
 def _llm(server: ParrotServer) -> ParrotLLM:
-    return ParrotLLM(base_url=server.url, api_key=server.api_key, temperature=0,
-                     max_tokens=12, timeout=120)
+    return ParrotLLM(
+        base_url=server.url, api_key=server.api_key, temperature=0, max_tokens=12, timeout=120
+    )
 
 
 @pytest.fixture
@@ -67,8 +68,7 @@ class AsyncRecorder(AsyncCallbackHandler):
         self.tokens.append(token)
 
 
-def test_invoke_returns_text_and_generate_reports_usage(llm: ParrotLLM,
-                                                       singles: list[str]) -> None:
+def test_invoke_returns_text_and_generate_reports_usage(llm: ParrotLLM, singles: list[str]) -> None:
     assert all(isinstance(t, str) and t.strip() for t in singles)
     result = llm.generate([PROMPTS[0]])
     assert result.generations[0][0].text == singles[0]  # greedy: the same both times
@@ -79,19 +79,20 @@ def test_invoke_returns_text_and_generate_reports_usage(llm: ParrotLLM,
     assert result.generations[0][0].generation_info["finish_reason"] in ("length", "stop")
 
 
-def test_batch_equals_one_invoke_per_prompt_in_order(llm: ParrotLLM,
-                                                     singles: list[str]) -> None:
+def test_batch_equals_one_invoke_per_prompt_in_order(llm: ParrotLLM, singles: list[str]) -> None:
     assert llm.batch(PROMPTS) == singles
 
 
-async def test_abatch_and_ainvoke_equal_the_sync_results(llm: ParrotLLM,
-                                                         singles: list[str]) -> None:
+async def test_abatch_and_ainvoke_equal_the_sync_results(
+    llm: ParrotLLM, singles: list[str]
+) -> None:
     assert await llm.ainvoke(PROMPTS[0]) == singles[0]
     assert await llm.abatch(PROMPTS) == singles
 
 
-def test_stream_joins_to_the_invoke_text_and_feeds_callbacks(llm: ParrotLLM,
-                                                             singles: list[str]) -> None:
+def test_stream_joins_to_the_invoke_text_and_feeds_callbacks(
+    llm: ParrotLLM, singles: list[str]
+) -> None:
     recorder = Recorder()
     pieces = list(llm.stream(PROMPTS[1], config={"callbacks": [recorder]}))
     assert len(pieces) > 2  # token by token, plus the closing empty chunk
@@ -103,7 +104,8 @@ def test_stream_joins_to_the_invoke_text_and_feeds_callbacks(llm: ParrotLLM,
 
 
 async def test_astream_joins_to_the_invoke_text_and_feeds_callbacks(
-        llm: ParrotLLM, singles: list[str]) -> None:
+    llm: ParrotLLM, singles: list[str]
+) -> None:
     recorder = AsyncRecorder()
     pieces = [p async for p in llm.astream(PROMPTS[1], config={"callbacks": [recorder]})]
     assert "".join(pieces) == singles[1]
@@ -117,8 +119,7 @@ def test_generate_with_callbacks_reports_start_and_end_per_prompt(llm: ParrotLLM
     assert len(recorder.ends) == 2
 
 
-def test_stop_cuts_the_text_before_the_stop_sequence(llm: ParrotLLM,
-                                                     singles: list[str]) -> None:
+def test_stop_cuts_the_text_before_the_stop_sequence(llm: ParrotLLM, singles: list[str]) -> None:
     full = singles[0]
     stop = full.strip().split()[1]  # a word the greedy continuation does reach
     cut = llm.invoke(PROMPTS[0], stop=[stop])
@@ -139,9 +140,11 @@ def test_a_wrong_key_is_an_authentication_error(cls, parrot_server: ParrotServer
 
 @pytest.mark.parametrize("cls", [ParrotLLM, ChatParrot])
 def test_an_unknown_model_is_a_bad_request_with_the_server_message(
-        cls, parrot_server: ParrotServer) -> None:
-    model = cls(base_url=parrot_server.url, api_key=parrot_server.api_key, model="gpt-9",
-                max_tokens=4)
+    cls, parrot_server: ParrotServer
+) -> None:
+    model = cls(
+        base_url=parrot_server.url, api_key=parrot_server.api_key, model="gpt-9", max_tokens=4
+    )
     with pytest.raises(ParrotBadRequestError, match="gpt-9") as info:
         model.invoke("Hi")
     assert info.value.status_code == 404

@@ -14,18 +14,36 @@ USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
 def chat_body(text: str = "Hi there", finish: str = "stop") -> dict[str, Any]:
     """A whole chat completion."""
-    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
-            "usage": USAGE}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": USAGE,
+    }
 
 
 def completion_body(*texts: str) -> dict[str, Any]:
     """A whole text completion, one choice per text."""
-    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
-            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": "length"}
-                        for i, t in enumerate(texts)],
-            "usage": USAGE}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {"index": i, "text": t, "logprobs": None, "finish_reason": "length"}
+            for i, t in enumerate(texts)
+        ],
+        "usage": USAGE,
+    }
 
 
 def sse(*payloads: Any, done: bool = True) -> bytes:
@@ -40,29 +58,59 @@ def sse(*payloads: Any, done: bool = True) -> bytes:
 
 def chat_stream(*pieces: str, finish: str = "stop") -> bytes:
     """A chat stream as the server sends it: role first, text, finish, usage, [DONE]."""
+
     def chunk(delta: dict, finish_reason: str | None = None) -> dict:
-        return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish_reason}]}
+        return {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
 
     payloads = [chunk({"role": "assistant", "content": ""})]
     payloads += [chunk({"content": p}) for p in pieces]
     payloads.append(chunk({}, finish))
-    payloads.append({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-                     "choices": [], "usage": USAGE})
+    payloads.append(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [],
+            "usage": USAGE,
+        }
+    )
     return sse(*payloads)
 
 
 def completion_stream(*pieces: str) -> bytes:
     """A completions stream: text chunks, the finish chunk, usage, [DONE]."""
+
     def chunk(text: str, finish_reason: str | None = None) -> dict:
-        return {"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason}]}
+        return {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
 
     payloads = [chunk(p) for p in pieces] + [chunk("", "stop")]
-    payloads.append({"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
-                     "choices": [], "usage": USAGE})
+    payloads.append(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [],
+            "usage": USAGE,
+        }
+    )
     return sse(*payloads)
 
 
@@ -93,8 +141,10 @@ class FakeServer:
     def clients(self) -> dict[str, Any]:
         """`http_client` and `http_async_client` keyword arguments that talk to this fake."""
         transport = httpx.MockTransport(self)
-        return {"http_client": httpx.Client(transport=transport),
-                "http_async_client": httpx.AsyncClient(transport=transport)}
+        return {
+            "http_client": httpx.Client(transport=transport),
+            "http_async_client": httpx.AsyncClient(transport=transport),
+        }
 
 
 def ok(body: dict) -> httpx.Response:
@@ -107,8 +157,14 @@ def stream(body: bytes) -> httpx.Response:
     return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
 
 
-def error(status: int, message: str, *, type: str = "invalid_request_error",
-          param: str | None = None, headers: dict | None = None) -> httpx.Response:
+def error(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    headers: dict | None = None,
+) -> httpx.Response:
     """An OpenAI-shaped error answer."""
     body = {"error": {"message": message, "type": type, "param": param, "code": None}}
     return httpx.Response(status, json=body, headers=headers)

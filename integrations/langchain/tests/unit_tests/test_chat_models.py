@@ -48,13 +48,20 @@ class Tokens(BaseCallbackHandler):
 
 def test_invoke_sends_settings_and_reads_text_usage_and_metadata() -> None:
     server = FakeServer(ok(chat_body("Hi there")))
-    model = chat(server, temperature=0, max_tokens=12, top_p=0.5, seed=7, stop=["\n"],
-                 api_key="sk-1")
+    model = chat(
+        server, temperature=0, max_tokens=12, top_p=0.5, seed=7, stop=["\n"], api_key="sk-1"
+    )
     result = model.invoke("Hello")
     body = server.bodies[0]
-    assert body == {"model": MODEL, "temperature": 0, "max_tokens": 12, "top_p": 0.5,
-                    "seed": 7, "stop": ["\n"],
-                    "messages": [{"role": "user", "content": "Hello"}]}
+    assert body == {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 12,
+        "top_p": 0.5,
+        "seed": 7,
+        "stop": ["\n"],
+        "messages": [{"role": "user", "content": "Hello"}],
+    }
     request = server.requests[0]
     assert request.url == "http://parrot.test/v1/chat/completions"
     assert request.headers["authorization"] == "Bearer sk-1"
@@ -67,15 +74,15 @@ def test_invoke_sends_settings_and_reads_text_usage_and_metadata() -> None:
 def test_unset_settings_are_left_to_the_server_and_no_key_sends_no_header() -> None:
     server = FakeServer(ok(chat_body()))
     chat(server, api_key=None).invoke("Hello")
-    assert server.bodies[0] == {"model": MODEL,
-                                "messages": [{"role": "user", "content": "Hello"}]}
+    assert server.bodies[0] == {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
     assert "authorization" not in server.requests[0].headers
 
 
 def test_call_stop_and_kwargs_override_the_settings() -> None:
     server = FakeServer(ok(chat_body()))
-    chat(server, stop=["a"], temperature=1.0).invoke("Hi", stop=["b"], temperature=0.2,
-                                                      model="other")
+    chat(server, stop=["a"], temperature=1.0).invoke(
+        "Hi", stop=["b"], temperature=0.2, model="other"
+    )
     body = server.bodies[0]
     assert (body["stop"], body["temperature"], body["model"]) == (["b"], 0.2, "other")
 
@@ -91,9 +98,14 @@ def test_base_url_with_v1_suffix_and_env_settings(monkeypatch) -> None:
 
 
 def test_messages_map_to_openai_roles() -> None:
-    messages = [SystemMessage("be brief"), HumanMessage("hi", name="ann"), AIMessage("hello"),
-                ToolMessage("42", tool_call_id="t1"), ChatMessage(role="developer", content="x"),
-                HumanMessage([{"type": "text", "text": "a"}, "b"])]
+    messages = [
+        SystemMessage("be brief"),
+        HumanMessage("hi", name="ann"),
+        AIMessage("hello"),
+        ToolMessage("42", tool_call_id="t1"),
+        ChatMessage(role="developer", content="x"),
+        HumanMessage([{"type": "text", "text": "a"}, "b"]),
+    ]
     assert [message_to_dict(m) for m in messages] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hi", "name": "ann"},
@@ -109,11 +121,14 @@ def test_reasoning_blocks_are_not_sent_back() -> None:
     assert message_to_dict(message)["content"] == [{"type": "text", "text": "ok"}]
 
 
-@pytest.mark.parametrize("message", [
-    HumanMessage([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
-    ChatMessage(role="narrator", content="x"),
-    FunctionMessage(name="f", content="x"),
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        HumanMessage([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+        ChatMessage(role="narrator", content="x"),
+        FunctionMessage(name="f", content="x"),
+    ],
+)
 def test_what_the_server_cannot_take_is_a_clear_value_error(message) -> None:
     server = FakeServer(ok(chat_body()))
     with pytest.raises(ValueError, match="ChatParrot"):
@@ -174,16 +189,30 @@ def test_batch_sends_one_request_per_input() -> None:
 
 
 def test_identifying_params_hold_what_changes_the_output() -> None:
-    params = ChatParrot(temperature=0.3, max_tokens=5, top_p=0.9, seed=1, stop=["x"],
-                        base_url="http://h:1")._identifying_params
-    assert params == {"model": MODEL, "base_url": "http://h:1", "temperature": 0.3,
-                      "max_tokens": 5, "top_p": 0.9, "seed": 1, "stop": ["x"]}
+    params = ChatParrot(
+        temperature=0.3, max_tokens=5, top_p=0.9, seed=1, stop=["x"], base_url="http://h:1"
+    )._identifying_params
+    assert params == {
+        "model": MODEL,
+        "base_url": "http://h:1",
+        "temperature": 0.3,
+        "max_tokens": 5,
+        "top_p": 0.9,
+        "seed": 1,
+        "stop": ["x"],
+    }
 
 
 def test_ls_params() -> None:
     params = ChatParrot(temperature=0.3, max_tokens=5, stop=["x"])._get_ls_params()
-    assert params == {"ls_provider": "parrot", "ls_model_name": MODEL, "ls_model_type": "chat",
-                      "ls_temperature": 0.3, "ls_max_tokens": 5, "ls_stop": ["x"]}
+    assert params == {
+        "ls_provider": "parrot",
+        "ls_model_name": MODEL,
+        "ls_model_type": "chat",
+        "ls_temperature": 0.3,
+        "ls_max_tokens": 5,
+        "ls_stop": ["x"],
+    }
 
 
 # ---- errors ----
@@ -212,24 +241,27 @@ def test_404_unknown_model_is_a_bad_request() -> None:
 
 
 def test_429_is_retried_then_succeeds() -> None:
-    busy = error(429, "too many requests in flight", type="rate_limit_error",
-                 headers={"Retry-After": "0"})
+    busy = error(
+        429, "too many requests in flight", type="rate_limit_error", headers={"Retry-After": "0"}
+    )
     server = FakeServer(busy, busy, ok(chat_body("done")))
     assert chat(server, max_retries=2).invoke("Hi").content == "done"
     assert len(server.requests) == 3
 
 
 def test_429_after_all_retries_is_a_rate_limit_error() -> None:
-    server = FakeServer(error(429, "too many", type="rate_limit_error",
-                              headers={"Retry-After": "0"}))
+    server = FakeServer(
+        error(429, "too many", type="rate_limit_error", headers={"Retry-After": "0"})
+    )
     with pytest.raises(ParrotRateLimitError, match="too many"):
         chat(server, max_retries=1).invoke("Hi")
     assert len(server.requests) == 2
 
 
 def test_503_is_retried_and_a_stream_is_retried_before_it_starts() -> None:
-    down = error(503, "engine stopped", type="service_unavailable_error",
-                 headers={"Retry-After": "0"})
+    down = error(
+        503, "engine stopped", type="service_unavailable_error", headers={"Retry-After": "0"}
+    )
     server = FakeServer(down, stream(chat_stream("ok")))
     assert "".join(c.text for c in chat(server).stream("Hi")) == "ok"
     assert len(server.requests) == 2
@@ -265,13 +297,16 @@ async def test_async_errors_match_sync() -> None:
         await chat(server).ainvoke("Hi")
 
 
-@pytest.mark.parametrize("body", [
-    {},
-    {"model": MODEL, "choices": []},
-    {"model": MODEL, "choices": [{"index": 0}]},
-    {"model": MODEL, "choices": [{"message": {"content": 3}}]},
-    ["not", "an", "object"],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"model": MODEL, "choices": []},
+        {"model": MODEL, "choices": [{"index": 0}]},
+        {"model": MODEL, "choices": [{"message": {"content": 3}}]},
+        ["not", "an", "object"],
+    ],
+)
 def test_a_malformed_body_is_a_response_error_never_a_key_error(body) -> None:
     server = FakeServer(httpx.Response(200, json=body))
     with pytest.raises(ParrotResponseError, match="malformed chat completion"):
@@ -286,8 +321,14 @@ def test_a_body_that_is_not_json_is_a_response_error() -> None:
 
 def test_an_error_payload_mid_stream_raises_after_the_text_so_far() -> None:
     text = {"model": MODEL, "choices": [{"index": 0, "delta": {"content": "partial"}}]}
-    failure = {"error": {"message": "engine died", "type": "service_unavailable_error",
-                         "param": None, "code": None}}
+    failure = {
+        "error": {
+            "message": "engine died",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": None,
+        }
+    }
     server = FakeServer(stream(sse(text, failure)))
     seen = []
     with pytest.raises(ParrotServerError, match="engine died"):
@@ -296,12 +337,15 @@ def test_an_error_payload_mid_stream_raises_after_the_text_so_far() -> None:
     assert seen == ["partial"]
 
 
-@pytest.mark.parametrize("body, match", [
-    (sse("not json"), "not JSON"),
-    (sse('["a list"]'), "not a JSON object"),
-    (sse({"choices": []}), "malformed chat stream chunk"),
-    (chat_stream("x").replace(b"data: [DONE]\n\n", b""), r"before `data: \[DONE\]`"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (sse("not json"), "not JSON"),
+        (sse('["a list"]'), "not a JSON object"),
+        (sse({"choices": []}), "malformed chat stream chunk"),
+        (chat_stream("x").replace(b"data: [DONE]\n\n", b""), r"before `data: \[DONE\]`"),
+    ],
+)
 def test_a_malformed_stream_is_a_response_error(body, match) -> None:
     server = FakeServer(stream(body))
     with pytest.raises(ParrotResponseError, match=match):

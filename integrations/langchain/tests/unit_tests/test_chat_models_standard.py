@@ -30,6 +30,8 @@ class TestChatParrotUnit(ChatModelUnitTests):
 
     @property
     def init_from_env_params(self) -> tuple[dict, dict, dict]:
-        return ({"PARROT_BASE_URL": "http://parrot.example:8000", "PARROT_API_KEY": "sk-env"},
-                {},
-                {"base_url": "http://parrot.example:8000", "api_key": "sk-env"})
+        return (
+            {"PARROT_BASE_URL": "http://parrot.example:8000", "PARROT_API_KEY": "sk-env"},
+            {},
+            {"base_url": "http://parrot.example:8000", "api_key": "sk-env"},
+        )

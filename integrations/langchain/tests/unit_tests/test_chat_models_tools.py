@@ -37,47 +37,72 @@ class PersonDict(TypedDict):
     age: int
 
 
-PERSON_JSON = {"title": "Person", "type": "object",
-               "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-               "required": ["name", "age"]}
+PERSON_JSON = {
+    "title": "Person",
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 
 
 def chat(server: FakeServer, **kwargs) -> ChatParrot:
     return ChatParrot(base_url="http://parrot.test", **server.clients(), **kwargs)
 
 
-def calls_body(*calls: tuple[str, str], content: str | None = None,
-               finish: str = "tool_calls") -> dict:
+def calls_body(
+    *calls: tuple[str, str], content: str | None = None, finish: str = "tool_calls"
+) -> dict:
     body = chat_body(content or "", finish)
     message = body["choices"][0]["message"]
     message["content"] = content
-    message["tool_calls"] = [{"id": f"call_{i}", "type": "function",
-                              "function": {"name": name, "arguments": args}}
-                             for i, (name, args) in enumerate(calls)]
+    message["tool_calls"] = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+        for i, (name, args) in enumerate(calls)
+    ]
     return body
 
 
 def calls_stream(*pieces: dict) -> bytes:
     def chunk(delta: dict, finish=None) -> dict:
-        return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish}]}
+        return {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
 
     payloads = [chunk({"role": "assistant", "content": ""})]
     payloads += [chunk({"tool_calls": [p]}) for p in pieces]
-    payloads += [chunk({}, "tool_calls"), {"id": "c", "object": "chat.completion.chunk",
-                                           "created": 1, "model": MODEL, "choices": [],
-                                           "usage": USAGE}]
+    payloads += [
+        chunk({}, "tool_calls"),
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [],
+            "usage": USAGE,
+        },
+    ]
     return sse(*payloads)
 
 
-@pytest.mark.parametrize(("choice", "sent"), [
-    ("auto", "auto"), ("none", "none"), ("required", "required"), ("any", "required"),
-    ("get_weather", {"type": "function", "function": {"name": "get_weather"}}),
-    (True, {"type": "function", "function": {"name": "get_weather"}}),
-    ({"type": "function", "function": {"name": "get_weather"}},
-     {"type": "function", "function": {"name": "get_weather"}}),
-])
+@pytest.mark.parametrize(
+    ("choice", "sent"),
+    [
+        ("auto", "auto"),
+        ("none", "none"),
+        ("required", "required"),
+        ("any", "required"),
+        ("get_weather", {"type": "function", "function": {"name": "get_weather"}}),
+        (True, {"type": "function", "function": {"name": "get_weather"}}),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            {"type": "function", "function": {"name": "get_weather"}},
+        ),
+    ],
+)
 def test_bind_tools_sends_openai_tools_and_tool_choice(choice, sent) -> None:
     server = FakeServer(ok(calls_body(("get_weather", '{"city": "Paris"}'))))
     chat(server).bind_tools([get_weather], tool_choice=choice).invoke("Weather?")
@@ -89,50 +114,79 @@ def test_bind_tools_sends_openai_tools_and_tool_choice(choice, sent) -> None:
 
 
 def test_tool_calls_come_back_as_langchain_tool_calls() -> None:
-    server = FakeServer(ok(calls_body(("get_weather", '{"city": "Paris"}'),
-                                      ("get_weather", '{"city": "Ro'))))
+    server = FakeServer(
+        ok(calls_body(("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Ro')))
+    )
     result = chat(server).bind_tools([get_weather]).invoke("Weather?")
-    assert result.tool_calls == [{"name": "get_weather", "args": {"city": "Paris"},
-                                  "id": "call_0", "type": "tool_call"}]
+    assert result.tool_calls == [
+        {"name": "get_weather", "args": {"city": "Paris"}, "id": "call_0", "type": "tool_call"}
+    ]
     (bad,) = result.invalid_tool_calls  # cut by max_tokens: kept, not raised
     assert bad["args"] == '{"city": "Ro' and bad["name"] == "get_weather"
     assert result.response_metadata["finish_reason"] == "tool_calls"
 
 
 def test_streamed_tool_calls_merge_by_index() -> None:
-    server = FakeServer(stream(calls_stream(
-        {"index": 0, "id": "call_a", "type": "function",
-         "function": {"name": "get_weather", "arguments": ""}},
-        {"index": 0, "function": {"arguments": '{"city": '}},
-        {"index": 0, "function": {"arguments": '"Paris"}'}},
-        {"index": 1, "id": "call_b", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}})))
+    server = FakeServer(
+        stream(
+            calls_stream(
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                },
+                {"index": 0, "function": {"arguments": '{"city": '}},
+                {"index": 0, "function": {"arguments": '"Paris"}'}},
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                },
+            )
+        )
+    )
     chunks = list(chat(server).bind_tools([get_weather]).stream("Weather?"))
     merged = chunks[0]
     for c in chunks[1:]:
         merged += c
     assert isinstance(merged, AIMessageChunk)
     assert [(c["id"], c["args"]) for c in merged.tool_calls] == [
-        ("call_a", {"city": "Paris"}), ("call_b", {"city": "Rome"})]
+        ("call_a", {"city": "Paris"}),
+        ("call_b", {"city": "Rome"}),
+    ]
     assert merged.response_metadata["finish_reason"] == "tool_calls"
 
 
 def test_tool_results_go_back_with_the_calls_they_answer() -> None:
     server = FakeServer(ok(chat_body("It is sunny.")))
-    history = [HumanMessage("Weather?"),
-               AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"},
-                                          "id": "call_0"}]),
-               ToolMessage("sunny in Paris", tool_call_id="call_0")]
+    history = [
+        HumanMessage("Weather?"),
+        AIMessage(
+            "", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "call_0"}]
+        ),
+        ToolMessage("sunny in Paris", tool_call_id="call_0"),
+    ]
     chat(server).bind_tools([get_weather]).invoke(history)
     messages = server.bodies[0]["messages"]
-    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
     assert messages[2] == {"role": "tool", "content": "sunny in Paris", "tool_call_id": "call_0"}
 
 
-@pytest.mark.parametrize("schema", [Person, PersonDict, PERSON_JSON],
-                         ids=["pydantic", "typeddict", "json-schema"])
+@pytest.mark.parametrize(
+    "schema", [Person, PersonDict, PERSON_JSON], ids=["pydantic", "typeddict", "json-schema"]
+)
 def test_json_schema_method_sends_the_schema_and_parses_the_reply(schema) -> None:
     server = FakeServer(ok(chat_body('{"name": "Ada", "age": 36}')))
     result = chat(server).with_structured_output(schema, strict=True).invoke("Who?")
@@ -144,8 +198,9 @@ def test_json_schema_method_sends_the_schema_and_parses_the_reply(schema) -> Non
     assert (result == Person(**expected)) if schema is Person else result == expected
 
 
-@pytest.mark.parametrize("schema", [Person, PersonDict, PERSON_JSON],
-                         ids=["pydantic", "typeddict", "json-schema"])
+@pytest.mark.parametrize(
+    "schema", [Person, PersonDict, PERSON_JSON], ids=["pydantic", "typeddict", "json-schema"]
+)
 def test_function_calling_method_forces_one_call_and_parses_its_arguments(schema) -> None:
     name = "Person" if schema is not PersonDict else "PersonDict"
     server = FakeServer(ok(calls_body((name, '{"name": "Ada", "age": 36}'))))
@@ -163,13 +218,13 @@ def test_json_mode_asks_for_any_object() -> None:
     assert server.bodies[0]["response_format"] == {"type": "json_object"}
     assert result == Person(name="Ada", age=36)
     server = FakeServer(ok(chat_body('{"anything": [1]}')))
-    assert chat(server).with_structured_output(method="json_mode").invoke("x") == {
-        "anything": [1]}
+    assert chat(server).with_structured_output(method="json_mode").invoke("x") == {"anything": [1]}
 
 
 def test_include_raw_returns_the_message_and_the_parsing_error() -> None:
-    server = FakeServer(ok(chat_body('{"name": "Ada", "age": 36}')),
-                        ok(chat_body('{"name": "Ada", "age": "old"}')))
+    server = FakeServer(
+        ok(chat_body('{"name": "Ada", "age": 36}')), ok(chat_body('{"name": "Ada", "age": "old"}'))
+    )
     model = chat(server).with_structured_output(Person, include_raw=True)
     good = model.invoke("x")
     assert good["parsed"] == Person(name="Ada", age=36) and good["parsing_error"] is None

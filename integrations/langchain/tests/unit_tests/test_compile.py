@@ -16,8 +16,12 @@ LLM = ParrotLLM(base_url="http://127.0.0.1:9", temperature=0)
 PROMPT = PromptTemplate.from_template("About {x}:")
 
 
-@given(st.lists(st.one_of(st.text(alphabet="ab{}\\ :", max_size=6),
-                          st.sampled_from(["v1", "v2"]).map(Var)), max_size=6))
+@given(
+    st.lists(
+        st.one_of(st.text(alphabet="ab{}\\ :", max_size=6), st.sampled_from(["v1", "v2"]).map(Var)),
+        max_size=6,
+    )
+)
 def test_literal_text_survives_the_template_syntax(pieces):
     parse = pytest.importorskip("parrot_backend.program").parse
     from parrot_backend.program import InputRef, OutputRef
@@ -47,8 +51,9 @@ def test_literal_text_survives_the_template_syntax(pieces):
 
 
 def test_plan_of_a_chain_with_a_lambda_in_the_middle():
-    chain = PROMPT | LLM | RunnableLambda(str.upper) | PromptTemplate.from_template(
-        "Again {y}") | LLM
+    chain = (
+        PROMPT | LLM | RunnableLambda(str.upper) | PromptTemplate.from_template("Again {y}") | LLM
+    )
     plan = compile_chain(chain).plan()
     assert [s["where"] for s in plan["steps"]] == ["server", "client", "server"]
     assert plan["round_trips"] == 1 and plan["requests"] == 2
@@ -58,7 +63,10 @@ def test_plan_of_a_chain_ending_on_the_client_needs_no_request_after_it():
     plan = compile_chain(PROMPT | LLM | JsonOutputParser()).plan()
     assert plan["round_trips"] == 1 and plan["requests"] == 1
     assert compile_chain(PROMPT | LLM | StrOutputParser()).plan() == {
-        "steps": [{"step": "ParrotLLM", "where": "server"}], "round_trips": 0, "requests": 1}
+        "steps": [{"step": "ParrotLLM", "where": "server"}],
+        "round_trips": 0,
+        "requests": 1,
+    }
 
 
 def test_a_lambda_on_the_input_costs_no_round_trip():

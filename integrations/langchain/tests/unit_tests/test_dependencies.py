@@ -56,9 +56,12 @@ def test_the_installed_dependency_closure_has_no_torch() -> None:
 
 
 def test_importing_the_package_loads_no_torch() -> None:
-    code = ("import sys, langchain_parrot; "
-            "heavy = {'torch', 'transformers', 'parrot_backend'} & set(sys.modules); "
-            "print(sorted(heavy))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+    code = (
+        "import sys, langchain_parrot; "
+        "heavy = {'torch', 'transformers', 'parrot_backend'} & set(sys.modules); "
+        "print(sorted(heavy))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]"

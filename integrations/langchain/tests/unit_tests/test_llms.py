@@ -46,15 +46,23 @@ def test_invoke_posts_the_prompt_to_completions_with_the_settings() -> None:
     assert llm(server, temperature=0, seed=3, stop=["\n"]).invoke("Capital?") == " Paris."
     request = server.requests[0]
     assert request.url == "http://parrot.test/v1/completions"
-    assert server.bodies[0] == {"model": MODEL, "temperature": 0, "max_tokens": 256,
-                                "seed": 3, "stop": ["\n"], "prompt": "Capital?"}
+    assert server.bodies[0] == {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 256,
+        "seed": 3,
+        "stop": ["\n"],
+        "prompt": "Capital?",
+    }
 
 
 def test_generate_reports_usage_and_finish_reason() -> None:
     server = FakeServer(ok(completion_body("x")))
     result = llm(server).generate(["a"])
-    assert result.llm_output == {"model_name": MODEL, "token_usage": {
-        "prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+    assert result.llm_output == {
+        "model_name": MODEL,
+        "token_usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
     assert result.generations[0][0].generation_info == {"finish_reason": "length"}
 
 
@@ -82,8 +90,11 @@ def test_stream_feeds_every_chunk_to_callbacks_and_ends_with_the_usage_chunk() -
     assert events.tokens == pieces
     assert server.bodies[0]["stream"] is True
     info = events.ends[0].generations[0][0].generation_info
-    assert info == {"finish_reason": "stop", "model_name": MODEL, "token_usage": {
-        "prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+    assert info == {
+        "finish_reason": "stop",
+        "model_name": MODEL,
+        "token_usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
 
 
 async def test_astream_matches_stream() -> None:
@@ -114,11 +125,14 @@ def test_a_bad_request_in_a_batch_raises_with_the_server_message() -> None:
         llm(server).batch(["a", "b"])
 
 
-@pytest.mark.parametrize("body", [
-    {"model": MODEL, "choices": []},
-    {"model": MODEL, "choices": [{"index": 0}]},
-    {"choices": [{"text": "x"}]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL, "choices": []},
+        {"model": MODEL, "choices": [{"index": 0}]},
+        {"choices": [{"text": "x"}]},
+    ],
+)
 def test_a_malformed_body_is_a_response_error(body) -> None:
     server = FakeServer(httpx.Response(200, json=body))
     with pytest.raises(ParrotResponseError, match="malformed completion"):
@@ -127,8 +141,13 @@ def test_a_malformed_body_is_a_response_error(body) -> None:
 
 def test_ls_params_and_identifying_params() -> None:
     model = ParrotLLM(temperature=0.1, stop=["z"], base_url="http://h:1")
-    assert model._get_ls_params() == {"ls_provider": "parrot", "ls_model_name": MODEL,
-                                      "ls_model_type": "llm", "ls_temperature": 0.1,
-                                      "ls_max_tokens": 256, "ls_stop": ["z"]}
+    assert model._get_ls_params() == {
+        "ls_provider": "parrot",
+        "ls_model_name": MODEL,
+        "ls_model_type": "llm",
+        "ls_temperature": 0.1,
+        "ls_max_tokens": 256,
+        "ls_stop": ["z"],
+    }
     assert model._identifying_params["max_tokens"] == 256
     assert model._get_ls_params(model="m2")["ls_model_name"] == "m2"

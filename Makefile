@@ -26,7 +26,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check parrot_backend tests benchmarks
+	$(VENV)/bin/ruff check parrot_backend tests benchmarks integrations examples
+	$(VENV)/bin/ruff format --check parrot_backend tests benchmarks integrations examples
 
 # llama.cpp's llama-server (CPU build from the llama-cpp-python sdist) for the upstream-engine
 # tests, built once into ~/.cache/parrot-backend/llama.cpp (or $PARROT_CACHE_DIR); later runs

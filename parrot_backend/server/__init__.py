@@ -1,4 +1,5 @@
-"""HTTP server: the OpenAI-compatible API (and later the native Parrot API) over an engine."""
+"""HTTP server: the OpenAI-compatible API, the native Parrot API, the engine API and the
+web page, over the manager and its engines."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,9 +43,29 @@ from appbench import modes, report, texts, workloads  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not taken
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def start_server(
     port: int, cache: bool, model: str | None, log: Path, extra: list[str]
 ) -> subprocess.Popen:
+    """Start `appbench/serve.py` on `port` and wait for it. Refuses a port something else
+    listens on: the harness must never measure (or load) another process's server."""
+    if _port_taken(port):
+        raise RuntimeError(f"port {port} is in use: pick another with --port")
     data = tempfile.mkdtemp(prefix="appbench-")
     cmd = [
         sys.executable,
@@ -65,6 +86,9 @@ def start_server(
             raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                time.sleep(0.5)
+                if proc.poll() is not None:  # it answered, but it was not ours
+                    raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
                 return proc
         except httpx.HTTPError:
             pass
@@ -226,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--reps", type=int, help="repetitions per mode (default 2; --quick 1)")
     ap.add_argument("--rtt", type=float, default=0.25, help="simulated client round trip, s")
-    ap.add_argument("--port", type=int, default=8310)
+    ap.add_argument("--port", type=int, help="port for the servers (default: a free one)")
     ap.add_argument(
         "--size",
         action="append",
@@ -251,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = ap.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 2)
+    args.port = args.port or free_port()
     args.sizes = {}
     for item in args.size:
         key, _, value = item.partition("=")

@@ -27,7 +27,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from appbench import modes, report, workloads  # noqa: E402
-from apps import start_server, stop_server  # noqa: E402
+from apps import free_port, start_server, stop_server  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--model")
     ap.add_argument("--url", help="a running server (its cache setting) instead")
-    ap.add_argument("--port", type=int, default=8311)
+    ap.add_argument("--port", type=int, help="port for the server (default: a free one)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "apps")
     args = ap.parse_args(argv)
+    args.port = args.port or free_port()
     command = "python benchmarks/apps_scaling.py " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )

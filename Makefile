@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve generate test lint llama-server
+.PHONY: setup serve generate test lint llama-server bench
 
 setup: $(STAMP)
 
@@ -34,3 +34,9 @@ lint: $(STAMP)
 # find it in seconds. tests/upstream builds it on demand too; this target prebuilds it.
 llama-server: $(STAMP)
 	$(PY) -m parrot_backend.testing.llama_server
+
+# The paper's applications, parrot vs request-level (about 15 minutes on 2 cores): tables
+# and plots into benchmarks/results/apps/ (overwriting the committed ones).
+bench: $(STAMP)
+	$(PY) benchmarks/apps.py $(BENCH_ARGS)
+	$(PY) benchmarks/apps_scaling.py

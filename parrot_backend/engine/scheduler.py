@@ -1,7 +1,11 @@
 """Iteration-level scheduling over the context tree (continuous batching).
 
 Each step takes every running decode (one token each), then prefill chunks, under a
-token budget (chunked prefill). Waiting requests are admitted by priority, then arrival.
+token budget (chunked prefill). While a request decodes, the prefill of less urgent
+requests (a higher `priority`) gets at most `background_prefill_tokens` of a step (by
+default an eighth of the budget): a step costs about its tokens, so a latency call's
+every token would otherwise wait for a full chunk of throughput prefill.
+Waiting requests are admitted by priority, then arrival.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
 blocks). When blocks run out the newest running
@@ -49,11 +53,15 @@ class Scheduler:
         max_batched_tokens: int,
         copy_block: Callable[[int, int], None],
         contexts: dict[Hashable, Context],
+        background_prefill_tokens: int | None = None,
     ) -> None:
         self.pool = pool
         self.contexts = contexts  # all live contexts: idle ones' KV is evictable
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        if background_prefill_tokens is None:
+            background_prefill_tokens = max(16, max_batched_tokens // 8)
+        self.background_prefill_tokens = background_prefill_tokens
         self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -84,6 +92,15 @@ class Scheduler:
         planned: set[int] = set()
         # decodes first (one token each), then prefills; both by priority, then arrival
         order = sorted(self.running, key=lambda r: (r.pending > 1, r.priority, r.seq))
+        # the most urgent priority decoding this step: less urgent prefill rides along in
+        # a small chunk only (the module doc)
+        urgent = None
+        for req in order:
+            if req.pending > 1:
+                break  # prefills follow the decodes
+            if req.kind == "generate" and (urgent is None or req.priority < urgent):
+                urgent = req.priority
+        background = self.background_prefill_tokens
         for req in order:
             if req not in self.running:
                 continue  # preempted while planning an earlier request
@@ -95,6 +112,9 @@ class Scheduler:
                 finished.append(req)
                 continue
             n = min(req.pending, budget)
+            behind = urgent is not None and req.pending > 1 and req.priority > urgent
+            if behind:
+                n = min(n, background)
             if n == 0:
                 break
             if not self._reserve(req, ctx.num_computed, n, planned):
@@ -115,6 +135,8 @@ class Scheduler:
             work.append(Work(req, ctx.num_computed, n))
             planned.add(id(req))
             budget -= n
+            if behind:
+                background -= n
         return work, finished, failed
 
     def _admit(self) -> None:

@@ -58,3 +58,45 @@ def test_an_urgent_request_overtakes_a_full_batch_of_throughput_work(tiny_model_
     assert stats.preemptions >= 1
     assert bulk_tokens == quiet_bulk  # preempted work recomputes to the same tokens
     assert stats.contexts == 0 and stats.blocks_used == 0
+
+
+def test_less_urgent_prefill_rides_along_a_decode_in_small_chunks(tiny_model_dir):
+    """While a latency request decodes, a throughput prompt is filled an eighth of the
+    step budget at a time (each of the latency request's tokens waits for one step),
+    and generates what it generates when filled alone."""
+
+    async def go(urgent: bool):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        plans: list[list[tuple[int, str, int]]] = []
+        schedule = engine.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            plans.append([(w.req.priority, w.req.kind, w.n) for w in out[0]])
+            return out
+
+        engine.scheduler.schedule = spy
+        log: list[str] = []
+        async with engine:
+            task = None
+            if urgent:
+                task = asyncio.create_task(_gen(engine, "urgent", _prompt(10, 1), LONG, 0, log))
+                while len(log) < 2:  # it is decoding
+                    await asyncio.sleep(0.001)
+            bulk = await _gen(engine, "bulk", _prompt(400, 2), SHORT, 1, log)
+            if task is not None:
+                await task
+        return plans, bulk, engine.scheduler.background_prefill_tokens
+
+    plans, bulk, background = asyncio.run(go(True))
+    alongside = [
+        n
+        for plan in plans
+        if any(p == 0 and k == "generate" for p, k, _ in plan)
+        for p, _, n in plan
+        if p == 1 and n > 1
+    ]
+    assert alongside and max(alongside) <= background < 400
+    quiet_plans, quiet_bulk, _ = asyncio.run(go(False))
+    assert max(n for plan in quiet_plans for _, _, n in plan) > background  # full chunks alone
+    assert bulk == quiet_bulk

@@ -192,18 +192,20 @@ def schedule(
             # one call: trial copies would reach the same engine; place it on the state
             call = unit.calls[0]
             fam = family.get(call.call_id) if family else None
-            engine = joined.get(fam) if fam is not None else None
+            engine = None
             # a fork joins its family's engine up to max_batch (the cap of an aged call)
-            if (
-                engine is None
-                or engine.engine_id in reserved
-                or not _fits(call, engine, config, aged=True, batched=False)
-            ):
+            for key in fam or ():
+                e = joined.get(key)
+                if e is not None and e.engine_id not in reserved:
+                    if _fits(call, e, config, aged=True, batched=False):
+                        engine = e
+                        break
+            if engine is None:
                 engine = _best(call, open_engines, config, unit.aged, batched=False)
             if engine is not None:
                 out.append(_commit(call, engine, single=True))
-                if fam is not None:
-                    joined.setdefault(fam, engine)
+                for key in fam or ():
+                    joined.setdefault(key, engine)
                 continue
             # an aged call that fits nowhere fits nowhere either when tried again as
             # part of what fits (`_fits` of an aged call ignores `batched`)
@@ -244,9 +246,11 @@ def _units(pending: Iterable[PendingCall], now: float, config: PolicyConfig) -> 
     return units
 
 
-def _families(units: list[_Unit]) -> dict[str, str]:
-    """Call id -> family key of each latency call outside task groups that shares a
-    prefix with another one: the longest of its prefixes that two or more of them have."""
+def _families(units: list[_Unit]) -> dict[str, list[str]]:
+    """Call id -> family keys of each latency call outside task groups that shares a
+    prefix with another one: its prefixes that two or more of them have, longest first
+    (two users asking the same question share a longer prefix than the system prompt
+    all users share; they belong to both families)."""
     forks = [
         u.calls[0]
         for u in units
@@ -255,12 +259,11 @@ def _families(units: list[_Unit]) -> dict[str, str]:
     if len(forks) < 2:
         return {}
     counts = Counter(p.key for c in forks for p in c.prefixes)
-    out: dict[str, str] = {}
+    out: dict[str, list[str]] = {}
     for c in forks:
-        for p in reversed(c.prefixes):
-            if counts[p.key] >= 2:
-                out[c.call_id] = p.key
-                break
+        keys = [p.key for p in reversed(c.prefixes) if counts[p.key] >= 2]
+        if keys:
+            out[c.call_id] = keys
     return out
 
 

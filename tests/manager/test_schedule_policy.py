@@ -102,6 +102,18 @@ def test_latency_forks_of_one_prefix_are_admitted_together() -> None:
     assert [a.prefix for a in out] == [None, SYS, SYS]  # one fill, the others fork
 
 
+def test_users_asking_the_same_question_still_join_the_system_prompt_family() -> None:
+    # u1 and u2 share a longer prefix (same question) than the one all three share
+    same = Prefix("sys+q", 2, 70)
+    users = [
+        call("u0", "latency", prefixes=(SYS, Prefix("own", 2, 60)), enqueued_at=NOW - 1),
+        call("u1", "latency", prefixes=(SYS, same), enqueued_at=NOW - 3),
+        call("u2", "latency", prefixes=(SYS, same), enqueued_at=NOW - 2),
+    ]
+    out = schedule(users, [engine("e0")], NOW, CONFIG)
+    assert [(a.call_id, a.prefix) for a in out] == [("u1", None), ("u2", same), ("u0", SYS)]
+
+
 def test_latency_forks_stay_within_max_batch_and_kv() -> None:
     users = [call(f"u{i}", "latency", prefixes=(SYS,), enqueued_at=NOW - i) for i in range(6)]
     out = schedule(users, [engine("e0")], NOW, CONFIG)
@@ -285,20 +297,27 @@ def _reference_schedule(pending, engines, now, config):  # type: ignore[no-untyp
         open_engines = [s for eid, s in state.items() if eid not in reserved]
         if not unit.aged and all(s.batch_size >= config.max_batch for s in open_engines):
             break
-        fam = family.get(unit.calls[0].call_id) if p._single(unit) else None
-        if fam in joined and joined[fam] not in reserved:
-            e = state[joined[fam]]
-            if p._fits(unit.calls[0], e, config, True, False):
-                out.append(p._commit(unit.calls[0], e, single=True))
-                continue
+        fam = family.get(unit.calls[0].call_id, []) if p._single(unit) else []
+        hits = [
+            joined[k]
+            for k in fam
+            if k in joined
+            and joined[k] not in reserved
+            and p._fits(unit.calls[0], state[joined[k]], config, True, False)
+        ]
+        if hits:
+            out.append(p._commit(unit.calls[0], state[hits[0]], single=True))
+            for k in fam:
+                joined.setdefault(k, hits[0])
+            continue
         placed = place_unit(unit, open_engines)
         if placed is None and unit.aged:
             placed = place_each(unit.calls, open_engines, aged=True, partial=True)
         if placed:
             for c, eid in placed:
                 out.append(p._commit(c, state[eid], single=p._single(unit)))
-                if fam is not None:
-                    joined.setdefault(fam, eid)
+                for k in fam:
+                    joined.setdefault(k, eid)
         if unit.aged and (placed is None or len(placed) < len(unit.calls)) and open_engines:
             reserved.add(max(open_engines, key=lambda s: (s.free_kv_tokens, s.engine_id)).engine_id)
     return out

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -137,9 +137,13 @@ def _bounded_poll(query: dict) -> None:
 
 
 @schema.parametrize()
-# derandomized: the same cases every run (a generator limit of schemathesis, hit on a random
-# draw, must not make CI flaky); widen max_examples locally to explore
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+# A fixed seed: the same cases every run (a generator limit of schemathesis, "Cannot generate
+# an array with 1 demanded elements", is hit on some draws and must not make CI flaky). Not
+# `derandomize=True`: its seed is a digest of this function's source, so reformatting the
+# file changed the draws and hit that limit. Change the seed or widen max_examples locally
+# to explore.
+@seed(20261202)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_native_no_server_errors(case, seeded: Seeded):
     """No generated request, valid or not, gets a 5xx or goes unanswered."""
     params = case.path_parameters

@@ -242,24 +242,25 @@ def test_history_filters_opens_a_stored_run_and_replays_it(page, app):
     run_id = r.json()["run_id"]
     fact = httpx.get(f"{app.url}/v1/runs/{run_id}/variables/fact?timeout=30", timeout=40)
     assert fact.json()["status"] == "ready"
-    failed = httpx.post(
-        f"{app.url}/v1/runs",
-        timeout=30,
-        json={
-            "program": {
-                "calls": [
-                    {
-                        "name": "bad",
-                        "template": "x {{output:y}}",
-                        "outputs": {"y": {"max_tokens": 5}},
-                    }
-                ]
-            }
-        },
-    )
-    failed_id = failed.json()["run_id"]
+    # set before the run exists: its call may reach the engine as soon as it is created
     app.engine.fail_if = lambda prompt: prompt.startswith("x ")
     try:
+        failed = httpx.post(
+            f"{app.url}/v1/runs",
+            timeout=30,
+            json={
+                "program": {
+                    "calls": [
+                        {
+                            "name": "bad",
+                            "template": "x {{output:y}}",
+                            "outputs": {"y": {"max_tokens": 5}},
+                        }
+                    ]
+                }
+            },
+        )
+        failed_id = failed.json()["run_id"]
         httpx.get(f"{app.url}/v1/runs/{failed_id}/variables/y?timeout=30", timeout=40)
     finally:
         app.engine.fail_if = lambda prompt: False

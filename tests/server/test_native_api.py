@@ -263,7 +263,7 @@ async def test_a_call_end_lost_in_a_crash_is_recorded_at_recovery(tmp_path) -> N
         assert detail["calls"][0]["status"] == "running"  # its end is not written yet
         y_before = detail["variables"]["y"]
         meta = rt.persister.runs[rid]  # "crash": what is buffered is lost
-        meta.tokens.clear()
+        meta.buffered.clear()
         meta.finishes.clear()
         rt.persister.frozen = True
     engine2 = ScriptedEngine(reply=echo)

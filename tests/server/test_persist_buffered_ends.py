@@ -63,7 +63,7 @@ async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path
             await p.on_event("r1", "call_started", {"call": "b", "engine": "e0"})
         assert store.get_run(tenant, "r1").calls[0].status == "running"  # rolled back
         assert len(p.runs["r1"].finishes) == 1  # kept for the next write
-        assert [t for t, _ in p.runs["r1"].tokens] == ["call_finished"]
+        assert [t for t, _ in p.runs["r1"].buffered] == ["call_finished"]
 
         store.hold_call = real  # type: ignore[method-assign]
         await p.on_event("r1", "call_started", {"call": "b", "engine": "e0"})

@@ -60,7 +60,7 @@ class WriteBuffer:
 
     def add_token(self, meta: RunMeta, payload: dict[str, Any]) -> None:
         """Buffer a token event."""
-        meta.tokens.append(("token", payload))
+        meta.buffered.append(("token", payload))
         call = payload["call"]
         meta.counts[call] += 1
         meta.first_token.setdefault(call, utcnow())
@@ -68,7 +68,7 @@ class WriteBuffer:
 
     def add_finish(self, meta: RunMeta, payload: dict[str, Any]) -> None:
         """Buffer a `call_finished` event and the call's end."""
-        meta.tokens.append(("call_finished", payload))
+        meta.buffered.append(("call_finished", payload))
         meta.finishes.append(self._finish_args(meta, payload["call"]))
         self.dirty.set()
 
@@ -101,7 +101,7 @@ class WriteBuffer:
     async def flush_all(self) -> None:
         """Write every run's buffered events and call ends in one transaction (one commit
         per flush, however many runs are generating: commits, not rows, are what cost)."""
-        dirty = sorted(r for r, m in self.runs.items() if m.tokens or m.finishes)
+        dirty = sorted(r for r, m in self.runs.items() if m.buffered or m.finishes)
         if not dirty:
             return
         metas = [self.runs[r] for r in dirty]
@@ -109,16 +109,16 @@ class WriteBuffer:
             # sorted order; a listener holds one run's lock at a time, so no deadlock
             for meta in metas:
                 await stack.enter_async_context(meta.lock)
-            batch = [(r, t, p) for r, m in zip(dirty, metas, strict=True) for t, p in m.tokens]
+            batch = [(r, t, p) for r, m in zip(dirty, metas, strict=True) for t, p in m.buffered]
             finishes = [f for m in metas for f in m.finishes]
-            taken = [(m.tokens, m.finishes) for m in metas]
+            taken = [(m.buffered, m.finishes) for m in metas]
             for meta in metas:
-                meta.tokens, meta.finishes = [], []
+                meta.buffered, meta.finishes = [], []
             try:
                 await self.db(self.batched, finishes, lambda: self.store.append_events(batch), True)
             except BaseException:  # nothing was written: back into the buffers
                 for meta, (tokens, ends) in zip(metas, taken, strict=True):
-                    meta.tokens[:0] = tokens
+                    meta.buffered[:0] = tokens
                     meta.finishes[:0] = ends
                 raise
         for run_id in dirty:

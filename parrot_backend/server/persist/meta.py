@@ -25,7 +25,7 @@ class RunMeta:
     started: bool = False  # the store's run status is "running"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # buffered events, in the manager's order: tokens and `call_finished` events
-    tokens: list[tuple[str, Any]] = field(default_factory=list)
+    buffered: list[tuple[str, Any]] = field(default_factory=list)
     finishes: list[dict[str, Any]] = field(default_factory=list)  # buffered call ends
     pending: list[dict[str, Any]] = field(default_factory=list)  # ends taken by a write
     committed: bool = False  # the current write's transaction committed

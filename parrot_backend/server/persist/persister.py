@@ -111,8 +111,8 @@ class StorePersister:
         async with meta.lock:
             # the run's buffered events go first, in the same transaction as this event
             # (one commit instead of two, and the log keeps the manager's order)
-            events = [*meta.tokens, (type, payload)]
-            meta.tokens = []
+            events = [*meta.buffered, (type, payload)]
+            meta.buffered = []
             await self._write(run_id, meta, type, payload, events)
         self.notifier.wake(run_id)
 
@@ -130,7 +130,7 @@ class StorePersister:
         except BaseException:
             if not meta.committed:
                 meta.finishes[:0] = finishes
-                meta.tokens[:0] = events[:-1]
+                meta.buffered[:0] = events[:-1]
             raise
         finally:
             meta.pending = []

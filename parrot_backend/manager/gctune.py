@@ -17,17 +17,9 @@ imports, engine and app construction, before serving):
   objects, but most of them are garbage freed by reference counting anyway; what is left
   is the cycles and the live young objects.
 
-`GEN0_THRESHOLD = 10_000` was chosen on `manager_bench.py` (taskset -c 1, GC off vs
-thresholds 700 to 100,000 with the freeze, CPU time of the full pipeline, collector pauses
-timed with `gc.callbacks`): 700 -> 10,000 takes the collector from ~45-50% of the full
-pipeline's CPU time to ~11-18% (~6,900 -> ~10,500 calls/s); 20,000 measured the same
-within the machine's noise (15-17%), 50,000 ~8%. Each young collection walks what
-survived since the last one, so its pause grows with the threshold: median 1.2 ms at
-10,000, 3.9 ms at 20,000, 13 ms at 50,000 (and the generation-1 collections every ten of
-them: ~57 ms at 10,000, ~82 ms at 20,000, with 1,000 runs held). 10,000 gets nearly all
-the throughput with the shortest pauses. What the collector still costs is mostly those
-older-generation collections walking the runs held in memory. Memory grows by at most the
-garbage cycles of one threshold's worth of allocations between collections.
+`GEN0_THRESHOLD = 10_000` was chosen on `manager_bench.py`: nearly all the throughput of
+higher thresholds with the shortest pauses (figures: benchmarks/README.md, "Garbage
+collector threshold").
 
 Library code (the Manager and everything else in this package) never calls this: it is a
 process-wide setting that belongs to whoever owns the process.

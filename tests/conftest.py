@@ -7,8 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# No per-example deadline: on a shared 2-core machine a first example that imports a module
+# takes longer than hypothesis's 200 ms, which is a flaky failure, not a finding. (With
+# CI set, hypothesis's own "ci" profile, the parent here, already has none.)
+settings.register_profile("parrot", parent=settings.default, deadline=None)
+settings.load_profile("parrot")
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from pydantic import ConfigDict, StrictInt
 from .errors import InvalidRequest
 
 MAX_TOP_K = 1_000_000
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "lark")
 MAX_CONSTRAINT_CHARS = 1_000_000  # a grammar's source text; compiling more is a DoS vector
 
@@ -96,6 +97,11 @@ class SamplingParams:
     stop_token_ids: list[StrictInt] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # None: free text (the plain sampler path)
+    # OpenAI's penalties, over the tokens this generation has produced so far (not the
+    # prompt): a token's logit is lowered by frequency_penalty per time it was generated
+    # and by presence_penalty once if it was; both 0 leave the plain sampler path.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -135,6 +141,15 @@ class SamplingParams:
             for i in self.stop_token_ids
         ):
             raise InvalidRequest("stop_token_ids must be a list of token ids inside the vocabulary")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or not -MAX_PENALTY <= v <= MAX_PENALTY
+            ):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {v!r}")
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequest("constraint must be a Constraint")
@@ -155,3 +170,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < self.GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty)

@@ -10,6 +10,11 @@ A constrained request (`SamplingParams.constraint`) also has a grammar state; be
 step the engine writes every constrained row's mask of disallowed tokens in one batch
 (`grammar_masks`), and the sampler sets those logits to -inf before it samples as usual.
 An unconstrained sampler never looks at a mask.
+
+Penalties (`presence_penalty`, `frequency_penalty`, OpenAI's definition) count the tokens
+this sampler has picked, in a vocabulary-sized row made at the first penalized step; they
+are applied after the grammar mask and before temperature, top-k and top-p, greedy
+included. A sampler without penalties keeps no counts.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Sampler:
         self.grammar: GrammarState | None = None  # bound by the engine when the request starts
         self.banned: torch.Tensor | GrammarError | None = None  # this step's mask
         self.generator: torch.Generator | None = None
+        self.counts: torch.Tensor | None = None  # tokens picked so far, with penalties only
         if not params.greedy:
             self.generator = torch.Generator()
             if params.seed is not None:
@@ -64,6 +70,25 @@ class Sampler:
         """Sample from a 1-D logits row (any float dtype)."""
         if self.grammar is not None:
             logits = self._constrain(logits)
+        if not self.params.penalized:
+            return self._pick(logits)
+        if self.counts is None:
+            self.counts = torch.zeros(logits.numel(), dtype=torch.float32)
+        token = self._pick(self._penalize(logits))
+        self.counts[token] += 1
+        return token
+
+    def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        p, counts = self.params, self.counts
+        assert counts is not None
+        out = logits.float()
+        if p.frequency_penalty:
+            out = out - counts * p.frequency_penalty
+        if p.presence_penalty:
+            out = out - (counts > 0).float() * p.presence_penalty
+        return out
+
+    def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits).item())

@@ -19,12 +19,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from parrot_backend.contract.errors import InvalidRequest
-from parrot_backend.contract.sampling import Constraint, SamplingParams
+from parrot_backend.contract.sampling import MAX_PENALTY, Constraint, SamplingParams
 
 _PLAIN = SamplingParams()  # the engine's defaults are the program's defaults
 NonEmpty = Annotated[str, Field(min_length=1)]
 ValueType = Literal["text", "json_schema", "regex", "choice"]
 _TYPED = ("json_schema", "regex", "choice")
+_PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 class GenerationConfig(BaseModel):
@@ -44,6 +45,18 @@ class GenerationConfig(BaseModel):
     seed: int | None = Field(_PLAIN.seed, ge=0, lt=2**63)
     stop: list[NonEmpty] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    presence_penalty: float = Field(
+        _PLAIN.presence_penalty,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="lowers the logit of every token already generated in this value, once",
+    )
+    frequency_penalty: float = Field(
+        _PLAIN.frequency_penalty,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="lowers a token's logit by this much per time it was generated",
+    )
     json_schema: dict[str, Any] | None = Field(
         None, description="the value is JSON matching this schema (`{}`: any JSON value)"
     )
@@ -80,11 +93,14 @@ class GenerationConfig(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_untyped(self, handler: Any) -> dict[str, Any]:
-        # a text output's JSON stays what it was before outputs had types (stored programs,
-        # workflow comparisons and replays see no new keys)
+        # a text output's JSON stays what it was before outputs had types and penalties
+        # (stored programs, workflow comparisons and replays see no new keys)
         data = handler(self)
         for name in _TYPED:
             if data.get(name, 0) is None:
+                del data[name]
+        for name in _PENALTIES:
+            if data.get(name) == 0:
                 del data[name]
         return data
 
@@ -137,4 +153,6 @@ class GenerationConfig(BaseModel):
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             constraint=self.constraint(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )

@@ -71,11 +71,6 @@ def check_common(state: ServerState, body: _SamplingFields) -> int:
     n = body.n or 1
     if n > state.settings.max_n:
         raise APIError(400, f"n must be <= {state.settings.max_n}, got {n}", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise unsupported(
-            "presence_penalty" if body.presence_penalty else "frequency_penalty",
-            "penalties are not implemented; send 0 or omit it",
-        )
     if body.logit_bias:
         raise unsupported("logit_bias", "send null or omit it")
     if body.stream_options is not None and not body.stream:
@@ -143,6 +138,8 @@ def build_sampling(
         stop=stop_list(body.stop),
         ignore_eos=bool(body.ignore_eos),
         constraint=constraint,
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
     )
     try:
         params.validate(state.vocab_size)

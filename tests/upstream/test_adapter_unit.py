@@ -58,6 +58,8 @@ async def test_generate_sends_the_whole_prompt_of_a_forked_context() -> None:
     assert path == "/completion" and body["prompt"] == ids("system: hello ")
     assert body["n_predict"] == 3 and body["return_tokens"] and body["cache_prompt"]
     assert body["temperature"] == 0 and body["min_p"] == 0 and body["repeat_penalty"] == 1
+    assert body["presence_penalty"] == body["frequency_penalty"] == 0
+    assert "repeat_last_n" not in body
     assert [d.token_id for d in deltas] == [*ids("abc"), None]
     assert "".join(d.text for d in deltas) == "abc" and deltas[-1].finish_reason == "length"
     # the generated tokens stay in the context; the parent is untouched
@@ -105,9 +107,13 @@ async def test_sampling_and_max_tokens_are_sent_and_capped_by_the_context() -> N
         seed=2**40 + 7,
         stop=["x"],
         ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
     )
     body = fake.requests[-1][1]
     assert body["n_predict"] == 4  # what is left of the slot's context
+    assert (body["presence_penalty"], body["frequency_penalty"]) == (0.5, -0.25)
+    assert body["repeat_last_n"] == -1 and body["repeat_penalty"] == 1
     assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 5)
     assert body["seed"] == 7 and body["stop"] == ["x"] and body["ignore_eos"] is True
     await engine.fill("full", None, ids("x" * 20))

@@ -43,6 +43,10 @@ class ParrotParams(BaseModel):
     """Nucleus sampling; None leaves the server's default (1)."""
     seed: int | None = None
     """Sampling seed: the same seed and inputs give the same output."""
+    frequency_penalty: float | None = None
+    """Lowers a token's logit by this much per time it was already generated (-2 to 2)."""
+    presence_penalty: float | None = None
+    """Lowers the logit of every token already generated, once (-2 to 2)."""
     stop: list[str] | None = None
     """Stop sequences (not included in the output); a call's `stop` replaces them."""
     timeout: float | None = 600.0
@@ -89,6 +93,8 @@ class ParrotParams(BaseModel):
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
             "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
         }
         stops = stop if stop is not None else self.stop
         if stops:
@@ -106,6 +112,8 @@ class ParrotParams(BaseModel):
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
             "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
             "stop": self.stop,
         }
 

@@ -55,7 +55,18 @@ from ._native import RunSession
 from .chat_models import ChatParrot
 from .errors import ParrotError
 
-_CONFIG_KEYS = frozenset({"stop", "max_tokens", "temperature", "top_p", "seed", "top_k"})
+_CONFIG_KEYS = frozenset(
+    {
+        "stop",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "top_k",
+        "frequency_penalty",
+        "presence_penalty",
+    }
+)
 _CONTEXT: dict[str, int | None] = {}  # base URL -> the served model's context length
 
 
@@ -462,6 +473,10 @@ class CompiledChain(Runnable[Any, Any]):
             config["stop"] = [stop] if isinstance(stop, str) else list(stop)
         if kw.get("top_k"):
             config["top_k"] = int(kw["top_k"])
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = kw.get(name, getattr(model, name, None))
+            if value:
+                config[name] = float(value)
         return config
 
 

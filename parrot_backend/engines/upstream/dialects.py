@@ -7,7 +7,10 @@ Two request shapes cover the servers:
   (`{"content", "tokens", "stop"}`); the last chunk has `stop: true` and `stop_type`
   (`eos`, `word`, `limit`) and the prompt's `timings` (`cache_n`: tokens reused from the
   slot's cache). The sampler chain is pinned to what `SamplingParams` means: `min_p`,
-  penalties, DRY, XTC and typical sampling off (llama.cpp's defaults turn some on).
+  the repeat penalty, DRY, XTC and typical sampling off (llama.cpp's defaults turn some
+  on); presence and frequency penalties are passed on, over llama.cpp's window (the whole
+  context with `repeat_last_n: -1`, prompt included, where OpenAI counts generated
+  tokens only).
   Constraints: `json_schema`, and `choice` as a GBNF grammar.
 - **OpenAI completions** (`POST /v1/completions`: vLLM, SGLang, parrot-backend, any other):
   the prompt as token ids (every one of these accepts a list of ints), `max_tokens`,
@@ -84,14 +87,18 @@ def _llama_body(prompt: list[int], s: SamplingParams, max_new: int, stream: bool
         "min_p": 0.0,
         "typical_p": 1.0,
         "repeat_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
         "dry_multiplier": 0.0,
         "xtc_probability": 0.0,
         "dynatemp_range": 0.0,
         "ignore_eos": s.ignore_eos,
         "stop": list(s.stop),
     }
+    if s.penalized:
+        # llama.cpp counts the last n tokens of the context, prompt included; -1 is all of
+        # it (OpenAI counts the generated tokens only: not the same logits)
+        body["repeat_last_n"] = -1
     if s.seed is not None:
         body["seed"] = s.seed % (2**32)  # llama.cpp seeds are 32-bit
     c = s.constraint
@@ -129,6 +136,10 @@ def _openai_body(
         body["stream_options"] = {"include_usage": True}
     if s.top_k:
         body["top_k"] = s.top_k
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
     if s.seed is not None:
         body["seed"] = s.seed
     if s.stop:

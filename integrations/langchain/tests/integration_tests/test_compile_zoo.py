@@ -163,6 +163,17 @@ def _shapes(chat, llm):
         intro="Please be brief."
     )
     shapes["partial"] = (partial | chat | s, {"topic": "clocks"}, 1)
+    # 15. penalties, bound per call and set on a model (a greedy loop they must break alike)
+    loop = PromptTemplate.from_template("{x} is a cat. {x} is a cat. {x} is a cat. {x}")
+    penalised = llm.model_copy(update={"presence_penalty": 0.5})
+    shapes["penalties"] = (
+        loop
+        | llm.bind(frequency_penalty=1.0)
+        | PromptTemplate.from_template("Again: {x}\n")
+        | penalised,
+        {"x": "A cat"},
+        1,
+    )
     return shapes
 
 
@@ -182,6 +193,7 @@ SHAPES = [
     "chat_to_llm",
     "picks_mustache",
     "partial",
+    "penalties",
 ]
 
 

@@ -49,7 +49,15 @@ class Tokens(BaseCallbackHandler):
 def test_invoke_sends_settings_and_reads_text_usage_and_metadata() -> None:
     server = FakeServer(ok(chat_body("Hi there")))
     model = chat(
-        server, temperature=0, max_tokens=12, top_p=0.5, seed=7, stop=["\n"], api_key="sk-1"
+        server,
+        temperature=0,
+        max_tokens=12,
+        top_p=0.5,
+        seed=7,
+        stop=["\n"],
+        api_key="sk-1",
+        frequency_penalty=0.4,
+        presence_penalty=-0.2,
     )
     result = model.invoke("Hello")
     body = server.bodies[0]
@@ -59,6 +67,8 @@ def test_invoke_sends_settings_and_reads_text_usage_and_metadata() -> None:
         "max_tokens": 12,
         "top_p": 0.5,
         "seed": 7,
+        "frequency_penalty": 0.4,
+        "presence_penalty": -0.2,
         "stop": ["\n"],
         "messages": [{"role": "user", "content": "Hello"}],
     }
@@ -190,7 +200,13 @@ def test_batch_sends_one_request_per_input() -> None:
 
 def test_identifying_params_hold_what_changes_the_output() -> None:
     params = ChatParrot(
-        temperature=0.3, max_tokens=5, top_p=0.9, seed=1, stop=["x"], base_url="http://h:1"
+        temperature=0.3,
+        max_tokens=5,
+        top_p=0.9,
+        seed=1,
+        stop=["x"],
+        base_url="http://h:1",
+        frequency_penalty=0.5,
     )._identifying_params
     assert params == {
         "model": MODEL,
@@ -199,6 +215,8 @@ def test_identifying_params_hold_what_changes_the_output() -> None:
         "max_tokens": 5,
         "top_p": 0.9,
         "seed": 1,
+        "frequency_penalty": 0.5,
+        "presence_penalty": None,
         "stop": ["x"],
     }
 

@@ -1,4 +1,4 @@
-"""The paper's applications, parrot vs request-level, side by side on one server.
+"""The paper's applications, parrot vs request-level (and `transformers`), on one server.
 
     .venv/bin/python benchmarks/apps.py                 # CPU sizes, both cache settings
     .venv/bin/python benchmarks/apps.py --quick         # seconds: tiny sizes, 1 repetition
@@ -12,7 +12,11 @@ texts of its own (no run can hit another's cache). Modes:
 
 - `parrot`: the whole program in one `POST /v1/runs`, every awaited output `latency`;
 - `request-level`: each call to `/v1/completions` (streamed) when its inputs are back at
-  the client, independent calls concurrently, as a LangChain app issues them.
+  the client, independent calls concurrently, as a LangChain app issues them;
+- `transformers`: no server; `generate()` in this process on the same model folder, one
+  batched call per wave of ready calls (`appbench/hf_mode.py`). It runs between the other
+  two, `--hf-reps` times (default 1, 0: off) per workload, in one cache phase only (`on`,
+  or the only one run), never in `mixed_tenant`; no round trip is paid (in process).
 
 A simulated client round trip (`--rtt`, default 0.25 s) is paid once per program and once
 per request. Results go to `--out` (default `benchmarks/results/apps`): `results.json`,
@@ -38,7 +42,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from appbench import modes, report, texts, workloads  # noqa: E402
+from appbench import hf_mode, modes, report, texts, workloads  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -132,9 +136,9 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
                 if phase != "off":  # once, with the engine's cache as deployed
                     records += await run_mixed(http, phase, args, model, bar)
                 continue
-            for rep in range(args.reps):
-                order = workloads_order(rep)
-                for mi, mode in enumerate(order):
+            hf_reps = args.hf_reps if phase == args.hf_phase else 0
+            for rep in range(max(args.reps, hf_reps)):
+                for mi, mode in run_order(rep, args.reps, hf_reps):
                     seed = (
                         args.seed
                         + 1000 * (1 + list(workloads.BUILDERS).index(name))
@@ -144,12 +148,20 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
                     )
                     wl = workloads.build(name, seed, quick=args.quick, **args.sizes.get(name, {}))
                     bar.set_description(f"cache {phase}: {name} {mode} #{rep + 1}")
-                    mark = await modes.step_mark(http)
-                    if mode == "parrot":
-                        run = await modes.run_parrot(http, wl, args.rtt)
+                    if mode == "transformers":
+                        if args.hf is None:
+                            bar.set_description(f"cache {phase}: loading transformers model")
+                            args.hf = await asyncio.to_thread(hf_mode.load, args.model)
+                            bar.set_description(f"cache {phase}: {name} {mode} #{rep + 1}")
+                        run = await hf_mode.run_transformers(wl, args.model, args.rtt, args.hf)
+                        run["steps"] = {}  # the server's engine takes no part
                     else:
-                        run = await modes.run_request_level(http, wl, args.rtt, model)
-                    run["steps"] = await modes.step_summary(http, mark)
+                        mark = await modes.step_mark(http)
+                        if mode == "parrot":
+                            run = await modes.run_parrot(http, wl, args.rtt)
+                        else:
+                            run = await modes.run_request_level(http, wl, args.rtt, model)
+                        run["steps"] = await modes.step_summary(http, mark)
                     summary = report.summarise_run(wl, run, tok)
                     records.append(
                         {
@@ -159,7 +171,8 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
                             "rep": rep,
                             "seed": seed,
                             "info": wl.info,
-                            "calibration": cal,
+                            # the server's engine speed: not the transformers mode's
+                            "calibration": cal if mode != "transformers" else None,
                             "summary": summary,
                             "run": _slim(run),
                         }
@@ -233,6 +246,19 @@ def workloads_order(rep: int) -> tuple[str, str]:
     return ("parrot", "request-level") if rep % 2 == 0 else ("request-level", "parrot")
 
 
+HF_SEED_OFFSET = 5  # the transformers runs' texts: a seed no other mode's run uses
+
+
+def run_order(rep: int, reps: int, hf_reps: int) -> list[tuple[int, str]]:
+    """(seed offset, mode) of repetition `rep`: parrot and request-level while rep < reps
+    (their order alternating, their seeds as before), `transformers` between them while
+    rep < hf_reps."""
+    order = list(enumerate(workloads_order(rep))) if rep < reps else []
+    if rep < hf_reps:
+        order.insert(min(1, len(order)), (HF_SEED_OFFSET, "transformers"))
+    return order
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (CI)")
@@ -249,6 +275,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="engine prefix-cache settings to run (one server each)",
     )
     ap.add_argument("--reps", type=int, help="repetitions per mode (default 2; --quick 1)")
+    ap.add_argument(
+        "--hf-reps",
+        type=int,
+        default=1,
+        help="repetitions of the transformers generate() mode per workload, in one cache "
+        "phase (on, or the only one); 0 disables it (default 1, --quick too)",
+    )
     ap.add_argument("--rtt", type=float, default=0.25, help="simulated client round trip, s")
     ap.add_argument("--port", type=int, help="port for the servers (default: a free one)")
     ap.add_argument(
@@ -288,8 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python benchmarks/apps.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     tok = report.load_tokenizer(args.model)
     phases = ["external"] if args.url else args.cache
+    if args.hf_reps < 0:
+        ap.error("--hf-reps must be 0 or more")
+    args.hf_phase = "on" if "on" in phases else phases[0]
+    args.hf = None  # the transformers model, loaded at its first run and kept
     apps = [w for w in args.workloads if w != "mixed_tenant"]
-    total = len(phases) * len(apps) * args.reps * 2
+    total = len(phases) * len(apps) * args.reps * 2 + len(apps) * args.hf_reps
     if "mixed_tenant" in args.workloads:
         total += 2 * sum(p != "off" for p in phases)
     records: list[dict] = []
@@ -318,6 +355,13 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command,
         "rtt": args.rtt,
         "reps": args.reps,
+        "hf_reps": args.hf_reps if apps else 0,
+        "hf_phase": args.hf_phase if args.hf_reps and apps else None,
+        "hf": (
+            {"model_dir": str(args.hf.model_dir), "threads": args.hf.threads}
+            if args.hf is not None
+            else None
+        ),
         "quick": args.quick,
         "model": args.model or "SmolLM2-135M-Instruct",
         "seconds": time.time() - began,

@@ -7,6 +7,8 @@ import statistics
 from pathlib import Path
 
 MODES = ("parrot", "request-level")
+HF = "transformers"  # the in-process generate() baseline (hf_mode.py), one phase only
+ALL_MODES = (*MODES, HF)
 
 
 def load_tokenizer(model: str | None):
@@ -80,6 +82,10 @@ def summarise_run(wl, run: dict, tok) -> dict:
         out["prefill_s"] = steps["prefill_s"]
         out["decode_s"] = steps["decode_s"]
         out["decode_batch_mean"] = steps["decode_batch_mean"]
+    hf = run.get("hf") or {}
+    if hf:  # transformers generate(): every prompt token computed, padding included
+        out["prefill_padded"] = hf["prefill_padded"]
+        out["waves"] = len(hf["waves"])
     eng = run.get("engine") or {}
     if eng:
         out["prefill_computed"] = eng["prefill_computed"]
@@ -101,7 +107,7 @@ def aggregate(records: list[dict]) -> list[dict]:
     keys = sorted({(r["phase"], r["workload"]) for r in records}, key=lambda k: (k[1], k[0]))
     for phase, workload in keys:
         row = {"phase": phase, "workload": workload}
-        for mode in MODES:
+        for mode in ALL_MODES:
             mine = [
                 r["summary"]
                 for r in records
@@ -124,12 +130,19 @@ def aggregate(records: list[dict]) -> list[dict]:
                 "decode_s",
                 "decode_batch_mean",
                 "critical_tokens",
+                "prefill_padded",
+                "waves",
             ):
                 row[f"{mode}.{key}"] = _median(mine, key)
             row[f"{mode}.reps"] = len(mine)
         p, q = row["parrot.jct"], row["request-level.jct"]
         row["ratio"] = q / p if p and q else None
-        cal = next((r["calibration"] for r in records if r["phase"] == phase), None)
+        t = row[f"{HF}.jct"]
+        row["hf_ratio"] = t / p if p and t else None  # transformers JCT / parrot JCT
+        cal = next(
+            (r["calibration"] for r in records if r["phase"] == phase and r.get("calibration")),
+            None,
+        )
         uniq, crit = row["parrot.unique_prompt_tokens"], row["parrot.critical_tokens"]
         if cal and uniq is not None and crit is not None:
             row["lower_bound"] = uniq / cal["prefill_tokens_per_s"] + crit * cal["decode_step_s"]
@@ -158,6 +171,28 @@ def table(rows: list[dict]) -> str:
             f"{_f(r['request-level.prefill_computed'], '{:.0f}')} "
             f"({_f(r['request-level.prompt_tokens'], '{:.0f}')}) | "
             f"{_f(r.get('lower_bound'))} | {_f(r.get('parrot_over_bound'))}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def hf_table(rows: list[dict]) -> str:
+    """transformers generate() against parrot in the same phase (the one the baseline ran
+    in): JCTs, their ratio, tokens generated, prompt tokens sent and computed (padded)."""
+    mine = [r for r in rows if r.get(f"{HF}.reps")]
+    if not mine:
+        return ""
+    lines = [
+        "| workload | parrot's engine prefix cache | transformers JCT s | parrot JCT s | "
+        "transformers / parrot | transformers tokens | waves | prompt tokens sent / "
+        "computed (padded) |",
+        "|" + " --- |" * 8,
+    ]
+    for r in mine:
+        lines.append(
+            f"| {r['workload']} | {r['phase']} | {_f(r[f'{HF}.jct'])} | {_f(r['parrot.jct'])} | "
+            f"**{_f(r['hf_ratio'])}x** | {_f(r[f'{HF}.tokens'], '{:.0f}')} | "
+            f"{_f(r[f'{HF}.waves'], '{:.0f}')} | {_f(r[f'{HF}.prompt_tokens'], '{:.0f}')} / "
+            f"{_f(r[f'{HF}.prefill_padded'], '{:.0f}')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -239,6 +274,17 @@ def plot(rows: list[dict], out: Path) -> list[str]:
         w,
         label="request-level",
     )
+    hf = [(i, r[f"{HF}.jct"]) for i, r in zip(x, rows, strict=True) if r.get(f"{HF}.jct")]
+    if hf:  # a dot over the parrot bar of the phase it ran in
+        ax.scatter(
+            [i - w / 2 for i, _ in hf],
+            [v for _, v in hf],
+            marker="D",
+            s=30,
+            color="tab:red",
+            label="transformers generate()",
+            zorder=4,
+        )
     lb = [(i, r["lower_bound"]) for i, r in zip(x, rows, strict=True) if r.get("lower_bound")]
     if lb:
         ax.scatter(
@@ -342,6 +388,11 @@ def write(out: Path, meta: dict, records: list[dict]) -> dict:
         json.dumps({"meta": meta, "rows": rows, "runs": records}, indent=1, default=str)
     )
     text = f"Command: `{meta['command']}`\n\n" + table(rows) + "\n" + goals(rows)
+    if hf_table(rows):
+        text += (
+            "\ntransformers generate() in the harness process (one batched call per wave of"
+            " ready calls, no prefix cache, no round trip; medians):\n\n" + hf_table(rows)
+        )
     goals_mixed, text_mixed = mixed(records)
     if text_mixed:
         text += "\nMixed tenants (a latency chain submitted while a throughput batch runs):\n\n"

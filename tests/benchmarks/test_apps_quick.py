@@ -1,5 +1,6 @@
 """`benchmarks/apps.py --quick` end to end on the tiny random model: both engine cache
-settings, every workload, both modes; the table, plots and JSON exist and add up. No
+settings, every workload, both server modes, and the in-process `transformers` baseline
+once per workload (cache-on phase only); the table, plots and JSON exist and add up. No
 timing is asserted (shared CI machines): only that each figure is there and sane."""
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ def test_quick_run_writes_a_sane_table(apps, tiny_model_dir, tmp_path):
         assert r["lower_bound"] > 0
         # a prefix trie never counts more than what was sent
         assert r["parrot.unique_prompt_tokens"] <= r["parrot.prompt_tokens"]
+        # transformers generate(): once per workload, in the cache-on phase only
+        if r["phase"] == "on":
+            assert r["transformers.reps"] == 1
+            assert r["transformers.jct"] > 0
+            assert r["transformers.tokens"] > 0
+            assert r["transformers.prompt_tokens"] > 0
+            assert r["transformers.prefill_padded"] >= r["transformers.prompt_tokens"]
+            assert r["hf_ratio"] == pytest.approx(r["transformers.jct"] / r["parrot.jct"])
+        else:
+            assert r["transformers.reps"] == 0 and r["hf_ratio"] is None
     by = {(r["workload"], r["phase"]): r for r in rows}
     # with the engine's cache off, request-level fills the shared system prompt per user,
     # parrot once: the accounting must show it (token counts, not timings)
@@ -71,9 +82,22 @@ def test_quick_run_writes_a_sane_table(apps, tiny_model_dir, tmp_path):
     table = (out / "table.md").read_text()
     assert table.startswith("Command: `python benchmarks/apps.py --quick")
     assert table.count("\n| shared_prompt | on |") >= 1 and "| goal | measured | met |" in table
+    assert "transformers generate()" in table and "| transformers / parrot |" in table
     saved = json.loads((out / "results.json").read_text())
-    assert len(saved["runs"]) == 2 * 2 * len(names) + 2  # + mixed tenants, each mode
+    # both server modes in both phases, transformers once per workload, mixed tenants
+    assert len(saved["runs"]) == 2 * 2 * len(names) + len(names) + 2
     assert all(run["run"]["calls"] for run in saved["runs"] if "run" in run)
+    assert saved["meta"]["hf_reps"] == 1 and saved["meta"]["hf_phase"] == "on"
+    hf_runs = [run for run in saved["runs"] if run["mode"] == "transformers"]
+    assert {(run["workload"], run["phase"]) for run in hf_runs} == {(n, "on") for n in names}
+    for run in hf_runs:
+        assert run["run"]["rtt"] == 0 and run["run"]["engine"] == {}
+        assert run["summary"]["jct"] > 0 and run["summary"]["tokens"] > 0
+        for call in run["run"]["calls"]:
+            # each call produced something, or stopped at once on EOS
+            assert call["tokens"] > 0 or call["finish"] == "eos"
+            assert call["output"] or call["finish"] == "eos"
+            assert call["ttft"] == call["latency"] >= 0  # not streamed: the wave's time
     # mixed tenants ran once (cache on) in both modes
     assert set(result["mixed"]) >= {"chain_slowdown", "chain_vs_fifo", "batch_tput_vs_fifo"}
     assert all(v > 0 for v in result["mixed"].values())

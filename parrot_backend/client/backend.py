@@ -31,7 +31,9 @@ class Backend(Protocol):
 
     async def create_run(self, spec: RunSpec) -> str: ...
 
-    async def add_calls(self, run_id: str, calls: list[CallSpec]) -> None: ...
+    async def add_calls(
+        self, run_id: str, calls: list[CallSpec], waits: dict[str, Criterion] | None = None
+    ) -> None: ...
 
     async def set_input(self, run_id: str, name: str, value: str) -> None: ...
 
@@ -134,9 +136,11 @@ class InProcessBackend:
         """Create the session's run on the manager."""
         return await self.manager.create_run(spec)
 
-    async def add_calls(self, run_id: str, calls: list[CallSpec]) -> None:
-        """Add calls to the open run."""
-        await self.manager.add_calls(run_id, calls)
+    async def add_calls(
+        self, run_id: str, calls: list[CallSpec], waits: dict[str, Criterion] | None = None
+    ) -> None:
+        """Add calls to the open run (`waits`: outputs about to be awaited, and how)."""
+        await self.manager.add_calls(run_id, calls, waits)
 
     async def set_input(self, run_id: str, name: str, value: str) -> None:
         """Give an input its value."""

@@ -72,8 +72,12 @@ class HttpBackend:
         body = spec.model_dump(mode="json", exclude_none=True)
         return (await self._send("POST", "/v1/runs", json=body))["run_id"]
 
-    async def add_calls(self, run_id: str, calls: list[CallSpec]) -> None:
-        body = {"calls": [c.model_dump(mode="json", exclude_none=True) for c in calls]}
+    async def add_calls(
+        self, run_id: str, calls: list[CallSpec], waits: dict[str, Criterion] | None = None
+    ) -> None:
+        body: dict = {"calls": [c.model_dump(mode="json", exclude_none=True) for c in calls]}
+        if waits:
+            body["outputs"] = dict(waits)
         await self._send("POST", f"/v1/runs/{run_id}/calls", json=body)
 
     async def set_input(self, run_id: str, name: str, value: str) -> None:

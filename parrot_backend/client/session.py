@@ -110,8 +110,10 @@ class Session:
         return SemanticVariable(name or self.fresh_name("input"), self, is_input=True)
 
     # ---- submission (on the backend's loop) ----
-    async def flush(self) -> None:
-        """Send what was built since the last submission."""
+    async def flush(self, waits: dict[str, Criterion] | None = None) -> None:
+        """Send what was built since the last submission. `waits`: variables the caller is
+        about to wait for, and how (declared with the calls, so that they start with the
+        objective the wait gives them rather than until the wait reaches the server)."""
         if self._submit is None:
             self._submit = asyncio.Lock()
         async with self._submit:
@@ -124,11 +126,11 @@ class Session:
                         self._inputs.update(inputs)  # no program yet: keep them
                         return
                     program = ProgramSpec(calls=calls, public=self.public)
-                    spec = RunSpec(program=program, inputs=inputs, open=True)
+                    spec = RunSpec(program=program, inputs=inputs, outputs=waits or {}, open=True)
                     self.run_id = await self.backend.create_run(spec)
                     return
                 if calls:
-                    await self.backend.add_calls(self.run_id, calls)
+                    await self.backend.add_calls(self.run_id, calls, waits)
                 for name, value in inputs.items():
                     await self.backend.set_input(self.run_id, name, value)
             except BaseException:
@@ -139,7 +141,7 @@ class Session:
 
     async def fetch(self, name: str, perf: Criterion) -> str:
         """Submit what is pending, then wait for variable `name`."""
-        await self.flush()
+        await self.flush({name: perf})
         if self.run_id is None:
             raise RuntimeError(f"variable {name!r} belongs to no call: nothing was submitted")
         return await self.backend.get(self.run_id, name, perf)

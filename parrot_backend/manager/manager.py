@@ -266,8 +266,15 @@ class Manager:
             raise
         return run_id
 
-    async def add_calls(self, run_id: str, calls: Sequence[CallSpec]) -> list[str]:
-        """Add calls to an open run; returns their names (unnamed ones become `#<index>`)."""
+    async def add_calls(
+        self,
+        run_id: str,
+        calls: Sequence[CallSpec],
+        waits: Mapping[str, Criterion] | None = None,
+    ) -> list[str]:
+        """Add calls to an open run; returns their names (unnamed ones become `#<index>`).
+        `waits`: outputs a client is about to `get`, with its criterion, counted by the
+        deduction that places the new calls (a wait already `latency` stays so)."""
         run = self._open_run(run_id)
         base = len(run.program.calls)
         self.admission.check_size(base + len(calls), f"run {run_id}")
@@ -291,6 +298,9 @@ class Manager:
             raise
         for call in built:
             run.calls[call.name] = CallStatus("waiting")
+        for name, perf in (waits or {}).items():
+            if run.waits.get(name) != "latency":
+                run.waits[name] = perf
         await self.transitions.deduce(run)
         names = [c.name for c in built]
         for name in names:

@@ -207,7 +207,7 @@ async def add_calls(
                     f"variables given as inputs cannot be generated: {clash}",
                     code="program_error",
                 )
-            names = await rt.manager.add_calls(run_id, calls)
+            names = await rt.manager.add_calls(run_id, calls, body.outputs)
         for name, value in body.inputs.items():
             await rt.manager.set_input(run_id, name, value)
         if body.close:

@@ -56,9 +56,12 @@ class _Strict(StorableModel):
 
 
 class AddCallsRequest(_Strict):
-    """Calls to add to an open run, inputs to set after them, and whether to close it."""
+    """Calls to add to an open run, outputs the client will wait for (as a run's `outputs`:
+    declared with the calls, so that they start with that objective), inputs to set after
+    them, and whether to close it."""
 
     calls: list[AnyCallSpec] = Field(default_factory=list, max_length=1000)
+    outputs: dict[str, Criterion] = Field(default_factory=dict)
     inputs: dict[str, str] = Field(default_factory=dict)
     close: bool = False
 
@@ -67,6 +70,7 @@ class AddCallsRequest(_Strict):
         if not (self.calls or self.inputs or self.close):
             raise ValueError("give calls, inputs or close: true")
         check_names(self.inputs)
+        check_names(self.outputs)
         return self
 
 

@@ -41,9 +41,9 @@ class Recording(InProcessBackend):
         self.sent.append(f"create:{len(spec.program.calls)}")
         return await super().create_run(spec)
 
-    async def add_calls(self, run_id, calls):
+    async def add_calls(self, run_id, calls, waits=None):
         self.sent.append(f"add:{len(calls)}")
-        await super().add_calls(run_id, calls)
+        await super().add_calls(run_id, calls, waits)
 
     async def set_input(self, run_id, name, value):
         self.sent.append(f"set:{value}")
@@ -184,3 +184,23 @@ def test_default_backend_serves_calls_outside_any_session() -> None:
     finally:
         set_backend(None)
         backend.close()
+
+
+async def test_awaited_calls_reach_the_engine_at_the_awaited_priority() -> None:
+    """The objective a get() asks for is declared with the submission it triggers: the
+    calls must not start at throughput priority before the get() itself arrives."""
+    engine = ScriptedEngine(reply=tail)
+    async with Manager({"e0": engine}) as manager:
+        backend = Recording(manager)
+        with Session(backend):
+            code = write_code("a kite")
+            test = write_test("a kite", code)
+            await test.aget(perf="latency")
+            assert [g.priority for g in engine.generations] == [0, 0]  # created with it
+            later = write_code("a boat")
+            await later.aget(perf="latency")
+            assert "add:1" in backend.sent
+            assert engine.generations[-1].priority == 0  # added with it
+            bulk = write_code("a cart")
+            await bulk.aget(perf="throughput")
+            assert engine.generations[-1].priority == 1

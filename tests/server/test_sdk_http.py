@@ -3,6 +3,7 @@ values as the in-process backend (greedy), and server refusals surface as Server
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from parrot_backend.client import (
@@ -15,6 +16,7 @@ from parrot_backend.client import (
 )
 from parrot_backend.engine.engine import Engine
 
+from .native_support import sse_events
 from .test_recovery_process import Serve
 
 
@@ -52,6 +54,20 @@ def test_http_backend_matches_the_in_process_backend(tiny_model_dir, tmp_path):
         assert paper_example(backend) == want
         with pytest.raises(ServerError, match="HTTP 404"):
             run_sync(backend, backend.get("no-such-run", "x", "latency"))
+        # an awaited call starts as latency work: the wait is declared with the submission
+        # it triggers (created, then added), not only when the GET reaches the server
+        session = Session(backend)
+        with session:
+            code = write_code("a kite")
+            test = write_test("a kite", code)
+            test.get(perf="latency")
+            write_code("a boat").get(perf="latency")
+            bulk = write_code("a cart")
+            bulk.get(perf="throughput")
+            run_sync(backend, session.close())
+        raw = httpx.get(f"{url}/v1/runs/{session.run_id}/events", timeout=60).text
+        started = [e["data"] for e in sse_events(raw) if e["event"] == "call_started"]
+        assert [c["objective"] for c in started] == ["latency"] * 3 + ["throughput"]
     finally:
         backend.close()
         serve.stop()

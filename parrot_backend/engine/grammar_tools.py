@@ -187,10 +187,14 @@ class ToolCallParser:
 
     def finish(self) -> list[Event]:
         """At the end of the text: release held content; an unfinished block whose call
-        started stays a (partial) call, one that never did becomes content."""
+        started stays a (partial) call, one that never did becomes content (a block cut
+        inside its opening tag after other calls is dropped)."""
         events: list[Event] = []
         if self._state == "outside":
-            self._emit_content(events, self._buf)
+            # after calls, a held-back "<tool_c" is the start of a block cut off by the
+            # token budget, not content
+            if not (self.calls and self._buf and OPEN.startswith(self._buf)):
+                self._emit_content(events, self._buf)
         elif self._state in ("head", "raw"):
             self._emit_content(events, OPEN + self._block)
         elif self._state == "arguments":

@@ -142,6 +142,24 @@ async def test_a_cut_call_keeps_finish_reason_length(fake_client):
     assert choice.message.tool_calls[0].function.name == "get_weather"
 
 
+async def test_a_next_call_cut_inside_its_tag_leaks_no_markup(fake_client):
+    client, engine = fake_client
+    first = CALLS_TEXT[CALLS_TEXT.index(OPEN) : CALLS_TEXT.index("</tool_call>") + 12]
+    for cut in range(1, len(OPEN)):
+        engine.reply = first + "\n" + OPEN[:cut]
+        for stream in (False, True):
+            r = await client.chat.completions.create(
+                model="fake-model", messages=USER, tools=TOOLS, stream=stream
+            )
+            if stream:
+                content, calls, _ = _streamed([c async for c in r])
+                names = [c["name"] for c in calls]
+            else:
+                content = r.choices[0].message.content
+                names = [c.function.name for c in r.choices[0].message.tool_calls]
+            assert not content and names == ["get_weather"], (cut, stream, content)
+
+
 async def test_constraints_follow_tool_choice_and_response_format(fake_client):
     client, engine = fake_client
 

@@ -54,5 +54,47 @@ def test_forked_decodes_form_one_group_with_the_parents_full_blocks(tiny_model_d
     assert all(len(rows) != 1 for rows, _ in backend.seen)  # a lone fork is never a group
 
 
-def test_the_torch_backend_never_groups(tiny_model_dir):
-    assert TorchAttention().share_prefix(10_000, 256) is False
+class PlainTorch(TorchAttention):
+    """The torch backend without its shared-prefix path (the default gate's opposite)."""
+
+    def share_prefix(self, prefix_len, group_size):
+        return False
+
+
+class CountingTorch(TorchAttention):
+    """The torch backend with its own gate, counting the grouped rows it computes."""
+
+    grouped_rows = 0
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        if "counted" not in meta.cache:
+            meta.cache["counted"] = True
+            self.grouped_rows += sum(len(g.seq_indices) for g in meta.prefix_groups)
+        return super().forward(q, k_cache, v_cache, meta, scale)
+
+
+def test_torch_shared_prefix_decode_generates_what_plain_decode_generates(tiny_model_dir):
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 49152, (300,), generator=g).tolist()  # past the 256-token gate
+    suffixes = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 7, 20, 3)]
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def run(backend):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=96, progress=False)
+        engine.runner.backend = backend
+
+        async def go():
+            async with engine:
+                await engine.fill("p", None, prefix)
+                return await asyncio.gather(
+                    *(
+                        complete(engine, f"c{i}", s, sampling, parent="p")
+                        for i, s in enumerate(suffixes)
+                    )
+                )
+
+        return asyncio.run(go())
+
+    grouped = CountingTorch()
+    assert run(grouped) == run(PlainTorch())
+    assert grouped.grouped_rows >= 4 * (sampling.max_tokens - 1)  # the path really ran

@@ -187,19 +187,15 @@ async def run_mixed(http, phase: str, args, model: str, bar) -> list[dict]:
     out = []
     for mi, mode in enumerate(("parrot", "request-level")):
         seed = args.seed + 9000 + 10 * mi
-        chain = workloads.build(
-            "chain_summary",
-            seed,
-            quick=args.quick,
-            **MIXED["quick" if args.quick else "cpu"]["chain"],
-        )
-        batch = workloads.build(
-            "map_reduce",
-            seed + 1,
-            quick=args.quick,
-            **MIXED["quick" if args.quick else "cpu"]["batch"],
-        )
-        batch.criterion = "throughput"
+        size = MIXED["quick" if args.quick else "cpu"]
+
+        def build(s: int, size: dict = size) -> tuple[workloads.Workload, workloads.Workload]:
+            chain = workloads.build("chain_summary", s, quick=args.quick, **size["chain"])
+            batch = workloads.build("map_reduce", s + 1, quick=args.quick, **size["batch"])
+            batch.criterion = "throughput"
+            return chain, batch
+
+        chain, batch = build(seed)
         bar.set_description(f"cache {phase}: mixed_tenant {mode}")
         got = await modes.run_mixed(
             http,
@@ -208,7 +204,8 @@ async def run_mixed(http, phase: str, args, model: str, bar) -> list[dict]:
             batch,
             args.rtt,
             model,
-            delay=MIXED["quick" if args.quick else "cpu"]["delay"],
+            delay=size["delay"],
+            loaded=build(seed + 5),  # texts of their own: nothing cached by the alone runs
         )
         out.append(
             {

@@ -238,10 +238,13 @@ async def run_mixed(
     rtt: float,
     model: str,
     delay: float,
+    loaded: tuple[Workload, Workload] | None = None,
 ) -> dict:
     """Mixed tenants, in one mode: the latency chain alone, the throughput batch alone,
     then the batch with the chain submitted `delay` s after it. The batch's outputs are
-    `throughput` in parrot mode; request-level has no way to say so (FIFO)."""
+    `throughput` in parrot mode; request-level has no way to say so (FIFO). `loaded`: the
+    (chain, batch) of the loaded run, the same shapes with texts of their own, so that no
+    prompt of the alone runs is in the engine's cache (default: the same workloads)."""
 
     async def one(wl: Workload) -> dict:
         if mode == "parrot":
@@ -254,7 +257,8 @@ async def run_mixed(
 
     chain_idle = await one(chain)
     batch_alone = await one(batch)
-    batch_loaded, chain_loaded = await asyncio.gather(one(batch), later(chain))
+    chain2, batch2 = loaded or (chain, batch)
+    batch_loaded, chain_loaded = await asyncio.gather(one(batch2), later(chain2))
 
     def tput(run: dict) -> float:
         return sum(c["tokens"] for c in run["calls"]) / run["jct"]

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/apps.py                 # CPU sizes, both cache settings
     .venv/bin/python benchmarks/apps.py --quick         # seconds: tiny sizes, 1 repetition
+    .venv/bin/python benchmarks/apps.py --gpu --model DIR   # the paper's sizes (a GPU engine)
     .venv/bin/python benchmarks/apps.py --url http://127.0.0.1:8000   # a running server
 
 For each engine prefix-cache setting (`on`, then `off`) the harness starts
@@ -125,7 +126,7 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
     ) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         bar.set_description(f"{phase}: calibrating")
-        cal_tokens = 160 if args.quick else 1000
+        cal_tokens = 160 if args.quick else 4000 if args.gpu else 1000
         cal = await modes.calibrate(
             http, model, texts.document(99_999, cal_tokens), reps=2 if args.quick else 3
         )
@@ -146,7 +147,9 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
                         + mi
                         + (500 if phase == "off" else 0)
                     )
-                    wl = workloads.build(name, seed, quick=args.quick, **args.sizes.get(name, {}))
+                    wl = workloads.build(
+                        name, seed, quick=args.quick, gpu=args.gpu, **args.sizes.get(name, {})
+                    )
                     bar.set_description(f"cache {phase}: {name} {mode} #{rep + 1}")
                     if mode == "transformers":
                         if args.hf is None:
@@ -187,7 +190,7 @@ async def run_mixed(http, phase: str, args, model: str, bar) -> list[dict]:
     out = []
     for mi, mode in enumerate(("parrot", "request-level")):
         seed = args.seed + 9000 + 10 * mi
-        size = MIXED["quick" if args.quick else "cpu"]
+        size = MIXED["quick" if args.quick else "gpu" if args.gpu else "cpu"]
 
         def build(s: int, size: dict = size) -> tuple[workloads.Workload, workloads.Workload]:
             chain = workloads.build("chain_summary", s, quick=args.quick, **size["chain"])
@@ -229,6 +232,11 @@ MIXED = {
         "batch": {"docs": 12, "doc": 128, "gen": 24, "reduce": 24},
         "delay": 2.0,
     },
+    "gpu": {
+        "chain": {"parts": 4, "part": 1024, "gen": 64},
+        "batch": {"docs": 64, "doc": 1024, "gen": 64, "reduce": 64},
+        "delay": 3.0,
+    },
     "quick": {
         "chain": {"parts": 2, "part": 32, "gen": 4},
         "batch": {"docs": 4, "doc": 32, "gen": 4, "reduce": 4},
@@ -258,7 +266,13 @@ def run_order(rep: int, reps: int, hf_reps: int) -> list[tuple[int, str]]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (CI)")
+    size_group = ap.add_mutually_exclusive_group()
+    size_group.add_argument("--quick", action="store_true", help="tiny sizes, 1 repetition (CI)")
+    size_group.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the paper's sizes (appbench/workloads.py GPU_SIZES), for a GPU engine",
+    )
     ap.add_argument(
         "--model", help="model for the servers the harness starts (default SmolLM2-135M-Instruct)"
     )
@@ -360,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
             else None
         ),
         "quick": args.quick,
+        "gpu": args.gpu,
         "model": args.model or "SmolLM2-135M-Instruct",
         "seconds": time.time() - began,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

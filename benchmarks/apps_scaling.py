@@ -112,14 +112,19 @@ def write(out: Path, rows: list[dict], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--prompt", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--users", type=int, nargs="+", help="N values (default 1 4 16)")
+    ap.add_argument("--prompt", type=int, nargs="+", help="P values (default 256 1024)")
     ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument(
+        "--gpu", action="store_true", help="N = 1 4 16 64 and P = 256 1024 4096 (a GPU engine)"
+    )
     ap.add_argument("--model")
     ap.add_argument("--url", help="a running server (its cache setting) instead")
     ap.add_argument("--port", type=int, help="port for the server (default: a free one)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "apps")
     args = ap.parse_args(argv)
+    args.users = args.users or ([1, 4, 16, 64] if args.gpu else [1, 4, 16])
+    args.prompt = args.prompt or ([256, 1024, 4096] if args.gpu else [256, 1024])
     args.port = args.port or free_port()
     command = "python benchmarks/apps_scaling.py " + shlex.join(
         argv if argv is not None else sys.argv[1:]

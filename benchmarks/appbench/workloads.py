@@ -213,7 +213,18 @@ BUILDERS = {
 }
 
 
-def build(name: str, seed: int, quick: bool = False, **over) -> Workload:
-    size = dict(SIZES[name][1 if quick else 0])
+# name -> --gpu size: the paper's scale (a ~6k-token shared prompt, 1k-token chunks,
+# a several-hundred-token generated design), for an engine that decodes in milliseconds
+GPU_SIZES = {
+    "shared_prompt": {"users": 64, "prompt": 6144, "gen": 64},
+    "chain_summary": {"parts": 12, "part": 1024, "gen": 64},
+    "map_reduce": {"docs": 32, "doc": 1024, "gen": 64, "reduce": 128},
+    "multi_agent": {"engineers": 8, "design": 512, "gen": 256, "review": 64},
+}
+
+
+def build(name: str, seed: int, quick: bool = False, gpu: bool = False, **over) -> Workload:
+    """Workload `name` at its CPU size, `--quick` size or `--gpu` size, with overrides."""
+    size = dict(GPU_SIZES[name] if gpu else SIZES[name][1 if quick else 0])
     size.update({k: v for k, v in over.items() if k in size and v is not None})
     return BUILDERS[name](seed, **size)

@@ -1,0 +1,83 @@
+"""Where a latency chain's time goes under a throughput batch: alternating pairs of the
+mixed-tenant workload (fresh texts each), with the engine's step log.
+
+    .venv/bin/python benchmarks/appbench/serve.py --port 8311 --data-dir "$(mktemp -d)" &
+    .venv/bin/python benchmarks/mixed_tenant_probe.py http://127.0.0.1:8311 [--pairs 2]
+
+For each mode (parrot: the batch `throughput`, the chain `latency`; request-level: every
+call a streamed completion) prints the batch's and the chain's JCT, each chain call's
+ready time, TTFT and latency, and every engine step from the chain's submission on:
+(start s, duration s, sequences, decode rows, prefill tokens, latency-priority rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import apps  # noqa: E402
+from appbench import modes, workloads  # noqa: E402
+
+
+async def probe(url: str, pairs: int, steps_shown: int) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        size = apps.MIXED["cpu"]
+        await modes.calibrate(http, model, "warm up text " * 100, reps=1)
+        for i, mode in enumerate(["parrot", "request-level"] * pairs):
+            seed = 777 + 10 * i
+            chain = workloads.build("chain_summary", seed, **size["chain"])
+            batch = workloads.build("map_reduce", seed + 1, **size["batch"])
+            batch.criterion = "throughput"
+
+            async def one(wl: workloads.Workload, mode: str = mode) -> dict:
+                if mode == "parrot":
+                    return await modes.run_parrot(http, wl, 0.25, counters=False)
+                return await modes.run_request_level(http, wl, 0.25, model, counters=False)
+
+            async def later(wl: workloads.Workload) -> tuple[dict, float]:
+                await asyncio.sleep(size["delay"])
+                return time.perf_counter(), await one(wl)
+
+            mark = await modes.step_mark(http)
+            t0 = time.perf_counter()
+            b, (tc, c) = await asyncio.gather(one(batch), later(chain))
+            steps = (await http.get("/bench/steps", params={"after": mark})).json()["steps"]
+            first = steps[0]["t"]
+            print(
+                f"\n== {mode}: batch {b['jct']:.2f} s, chain {c['jct']:.2f} s, {len(steps)} steps"
+            )
+            for call in c["calls"]:
+                print(
+                    f"  {call['name']}: ready {call['ready']:.2f} s, ttft {call['ttft']:.2f} s, "
+                    f"latency {call['latency']:.2f} s"
+                )
+            shown = [s for s in steps if s["t"] - first >= tc - t0 - 0.1][:steps_shown]
+            print(
+                "  steps from the chain's submission (t, dt, seqs, decode, prefill, latency rows):"
+            )
+            for s in shown:
+                print(
+                    f"    {s['t'] - first:6.2f} {s['dt']:.3f} {s['seqs']:3d} {s['decode']:3d} "
+                    f"{s['prefill']:4d} {s['latency_rows']:3d}"
+                )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("url")
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=80, help="steps to print per run")
+    args = ap.parse_args()
+    asyncio.run(probe(args.url, args.pairs, args.steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,8 @@
 
 1. throughput: our engine vs transformers `generate()` on the same prompts, batch 1 and 8
    (decode tokens/s and time to first token);
+   and prefill alone: one long prompt (1,000 and 2,000 tokens) filled by the engine vs one
+   transformers forward over it (prefill tokens/s);
 2. shared prefix: 8 requests with a common 512-token prefix, forked from one filled
    context vs no sharing (prefill time and total time);
 3. memory: KV blocks held by N forks of a P-token prefix vs N unshared copies; pool
@@ -131,6 +133,47 @@ def bench_throughput(engine, model, max_tokens: int, prompt_len: int, reps: int)
             }
         )
     return rows
+
+
+def bench_prefill(engine, model, lengths: list[int], reps: int) -> list[dict]:
+    """One prompt of each length: the engine's fill (chunked by its token budget) vs one
+    transformers forward (last position's logits only), alternating, medians."""
+    rows = []
+    for length in lengths:
+        batch = prompts(engine, 2 * reps, length)
+        asyncio.run(_with(engine, _fill_timed, batch[0][:32], "pw"))
+        ours, theirs = [], []
+        for rep in range(reps):
+            ours.append(asyncio.run(_with(engine, _fill_timed, batch[2 * rep], f"p{length}-{rep}")))
+            theirs.append(
+                compute_executor().submit(_hf_prefill, model, batch[2 * rep + 1]).result()
+            )
+        ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "reps": reps,
+                "engine_tok_s": length / ours_s,
+                "hf_tok_s": length / theirs_s,
+                "ratio": theirs_s / ours_s,
+            }
+        )
+    return rows
+
+
+async def _fill_timed(engine, prompt: list[int], tag: str) -> float:
+    t0 = time.perf_counter()
+    await engine.fill(tag, None, prompt)
+    took = time.perf_counter() - t0
+    await engine.free(tag)
+    return took
+
+
+def _hf_prefill(model, prompt: list[int]) -> float:
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t0
 
 
 async def _with(engine, fn, *args):
@@ -267,6 +310,9 @@ def main() -> None:
     out = {
         "dtype": args.dtype,
         "throughput": bench_throughput(engine, model, new, 64, 1 if args.quick else 3),
+        "prefill": bench_prefill(
+            engine, model, [256] if args.quick else [1000, 2000], 1 if args.quick else 3
+        ),
         "shared_prefix": bench_shared_prefix(path, 512, 8, 16, 4 if args.quick else 16),
         "memory": bench_memory(path, 512, 8, 16),
     }

@@ -46,6 +46,14 @@ class Context:
         # where it left off (`GrammarState.end`): a generation under the same constraint, on
         # this context or on a fork of it, continues it (the fork gets a copy when it attaches)
         self.grammar: GrammarState | None = None
+        # (n, h): the final hidden state at position n - 1, kept by the fill that computed
+        # it; while the context is n tokens long, a generation samples its first token from
+        # h instead of recomputing the last token (a step less before the first token).
+        # A fork of exactly those tokens inherits it (the state depends on the tokens only).
+        self.last_hidden: tuple[int, object] | None = None
+        if parent is not None and parent.last_hidden is not None:
+            if parent.last_hidden[0] == self.fork_len:
+                self.last_hidden = parent.last_hidden
 
     def block_hash(self, k: int) -> int:
         """Chain hash of the first k full blocks (the salt starts the chain)."""

@@ -30,9 +30,16 @@ class Batch:
     seq_lens: list[int]
     tables: list[list[int]]
     samplers: list[Sampler | None]  # per sequence: who samples its next token, if any
+    keep: list[bool]  # per sequence: a fill ending its context returns its last hidden state
+    rows: list[int]  # per sequence: its index in the step's work
+    # sample-only rows (a generation's first token from a fill's kept state, nothing to
+    # compute): (index in the step's work, hidden state, sampler)
+    kept: list[tuple[int, torch.Tensor, Sampler]]
+    size: int  # rows of work in the step
 
 
-StepResult = int | BaseException | None  # a token, the error of this row, or no token
+# a token, the error of this row, a fill's kept last hidden state, or nothing
+StepResult = int | BaseException | torch.Tensor | None
 
 
 class ModelRunner:
@@ -99,9 +106,17 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         samplers: list[Sampler | None] = []
-        for w in work:
+        keep: list[bool] = []
+        rows: list[int] = []
+        kept: list[tuple[int, torch.Tensor, Sampler]] = []
+        for j, w in enumerate(work):
             ctx = w.req.ctx
             end = w.start + w.n
+            if w.n == 0:  # the scheduler checked the kept state: it is for these tokens
+                kept.append((j, ctx.last_hidden[1], w.req.sampler))
+                continue
+            rows.append(j)
+            keep.append(w.req.kind == "fill" and end == len(ctx.tokens))
             ids.extend(ctx.tokens[w.start : end])
             positions.extend(range(w.start, end))
             blocks = list(ctx.blocks)
@@ -110,7 +125,9 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(blocks)
             samplers.append(w.req.sampler if w.samples else None)
-        return Batch(ids, positions, slots, starts, seq_lens, tables, samplers)
+        return Batch(
+            ids, positions, slots, starts, seq_lens, tables, samplers, keep, rows, kept, len(work)
+        )
 
     def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         self._flush_copies()
@@ -141,20 +158,29 @@ class ModelRunner:
 
         A sampler that fails fails its own row only (its error is that row's result); a
         failing forward pass raises (the engine then retries the rows one by one)."""
-        ids, positions, meta = self._tensors(batch)
-        hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
-        rows = [batch.query_start[i + 1] - 1 for i, s in enumerate(batch.samplers) if s]
-        out: list[StepResult] = [None] * len(batch.samplers)
-        if rows:
-            logits = self.model.logits(hidden[rows])
-            k = 0
-            for i, sampler in enumerate(batch.samplers):
-                if sampler is not None:
-                    try:
-                        out[i] = sampler(logits[k])
-                    except Exception as exc:  # this request's sampling, not the step
-                        out[i] = exc
-                    k += 1
+        out: list[StepResult] = [None] * batch.size
+        last: list[torch.Tensor] = []  # final hidden states to sample from, in this order
+        who: list[tuple[int, Sampler]] = []
+        if batch.ids:
+            ids, positions, meta = self._tensors(batch)
+            hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+            for i, j in enumerate(batch.rows):
+                h = hidden[batch.query_start[i + 1] - 1]
+                if batch.samplers[i] is not None:
+                    last.append(h)
+                    who.append((j, batch.samplers[i]))
+                elif batch.keep[i]:
+                    out[j] = h.clone()  # a view would keep the whole step's hidden alive
+        for j, h, sampler in batch.kept:
+            last.append(h)
+            who.append((j, sampler))
+        if last:
+            logits = self.model.logits(torch.stack(last))
+            for k, (j, sampler) in enumerate(who):
+                try:
+                    out[j] = sampler(logits[k])
+                except Exception as exc:  # this request's sampling, not the step
+                    out[j] = exc
         return out
 
     @torch.inference_mode()

@@ -106,6 +106,14 @@ class Scheduler:
                 continue  # preempted while planning an earlier request
             ctx = req.ctx
             if req.kind == "generate" and req.pending == 0:
+                kept = ctx.last_hidden
+                if kept is not None and kept[0] == len(ctx.tokens) and req.generated == 0:
+                    # the fill that ended the prompt kept its last hidden state: the first
+                    # token is sampled from it, in this step, with nothing to compute
+                    ctx.last_used = self.clock
+                    work.append(Work(req, len(ctx.tokens), 0))
+                    planned.add(id(req))
+                    continue
                 ctx.num_computed -= 1  # logits of the last token are needed: recompute it
             if req.pending == 0:
                 self.running.remove(req)

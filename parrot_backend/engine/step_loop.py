@@ -204,7 +204,8 @@ class StepLoop:
 
     def _compute(self, batch: Batch) -> list[StepResult]:
         """One step on the compute thread, with the thread count the tuner picks."""
-        constrained = [s for s in batch.samplers if s is not None and s.grammar is not None]
+        samplers = [s for s in batch.samplers if s is not None] + [s for _, _, s in batch.kept]
+        constrained = [s for s in samplers if s.grammar is not None]
         if constrained:  # one bitmask for every constrained row of the step
             masks = grammar_masks([s.grammar for s in constrained], self.vocab_size)
             for sampler, mask in zip(constrained, masks, strict=True):
@@ -248,6 +249,8 @@ class StepLoop:
             if req.done:
                 continue  # cancelled while the step ran
             if req.kind == "fill":
+                if isinstance(token, torch.Tensor):  # the last hidden state of its context
+                    ctx.last_hidden = (ctx.num_computed, token)
                 if req.pending == 0:
                     self._finish(req)
                     req.future.set_result(len(ctx.tokens))

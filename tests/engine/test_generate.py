@@ -160,3 +160,69 @@ def test_prefix_cache_is_salted(tiny_model_dir):
     other, same = asyncio.run(go())
     assert other == 0
     assert same == 32
+
+
+def _kept_vs_recomputed(engine, prompt, sampling, parent_tokens=None):
+    """Greedy tokens and tokens computed for one fill + generate, with the fill's kept last
+    hidden state used (as served) and thrown away (the last prompt token recomputed)."""
+
+    async def go():
+        results = []
+        async with engine:
+            for keep in (True, False):
+                cid = f"k{keep}"
+                parent = None
+                if parent_tokens is not None:
+                    await engine.fill(f"p{keep}", None, parent_tokens)
+                    parent = f"p{keep}"
+                before = engine.tokens_computed
+                if prompt:
+                    await engine.fill(cid, parent, prompt)
+                    parent = None
+                if not keep:  # the filled context's (or, for a bare fork, its parent's)
+                    engine.contexts[parent or cid].last_hidden = None
+                deltas = [d async for d in engine.generate(cid, parent, sampling)]
+                results.append(([d.token_id for d in deltas], engine.tokens_computed - before))
+        return results
+
+    return asyncio.run(go())
+
+
+def test_generation_samples_its_first_token_from_the_fills_kept_state(tiny_model_dir):
+    """A fill keeps its context's last hidden state, so the generation after it computes no
+    token twice; its tokens equal the recomputing path's and transformers' greedy ones."""
+    engine = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False
+    )
+    prompt = _prompts(engine, 3)[2]  # 32 tokens
+    (kept, kept_n), (plain, plain_n) = _kept_vs_recomputed(engine, prompt, GREEDY)
+    assert kept == plain == _hf_greedy(tiny_model_dir, prompt, GREEDY.max_tokens)
+    # prompt tokens, then every generated token but the last (its KV is never needed)
+    assert kept_n == len(prompt) + GREEDY.max_tokens - 1
+    assert plain_n == kept_n + 1  # the recomputed last prompt token
+
+
+def test_a_bare_fork_inherits_the_kept_state_and_a_longer_context_does_not(tiny_model_dir):
+    engine = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False
+    )
+    parent = _prompts(engine, 2)[1]
+    # generate straight on a fork of the filled parent: the fork's tokens are the parent's
+    (kept, kept_n), (plain, plain_n) = _kept_vs_recomputed(engine, [], GREEDY, parent)
+    assert kept == plain
+    assert kept_n == GREEDY.max_tokens - 1 and plain_n == kept_n + 1
+
+    async def longer():
+        async with engine:
+            await engine.fill("a", None, parent)
+            # tokens generated after the fill: its kept state is for a shorter context
+            first = [d.token_id async for d in engine.generate("a", None, GREEDY)]
+            assert engine.contexts["a"].last_hidden[0] == len(parent)
+            before = engine.tokens_computed
+            again = [d.token_id async for d in engine.generate("a", None, GREEDY)]
+            return first, again, engine.tokens_computed - before
+
+    first, again, n = asyncio.run(longer())
+    assert n == GREEDY.max_tokens  # the last generated token computed first, then 11 more
+    whole = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False)
+    assert again == asyncio.run(_batch(whole, [parent + first], GREEDY))[0]

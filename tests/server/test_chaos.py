@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -436,6 +437,15 @@ async def quiet_replays(url: str, tally: Tally, details: dict[str, dict]) -> int
     return len(groups)
 
 
+def _log_errors(serve: Serve) -> str:
+    """The server log's error lines and the exceptions under them (for a failure
+    message): what a 5xx came from."""
+    lines = serve.log.read_text(errors="replace").splitlines()
+    exc = re.compile(r"^(ERROR|[\w.]+(Error|Exception|Detected|Violation)\b)")
+    keep = [line for line in lines if exc.match(line)]
+    return "\n".join(keep[:40]) or "no error in the server log"
+
+
 def _metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", headers=_auth("alice"), timeout=10).text
     out = {}
@@ -462,7 +472,7 @@ def chaos(serve: Serve) -> None:
 
     asyncio.run(go())
     assert serve.proc is not None and serve.proc.poll() is None, "serve died"
-    assert not tally.server_errors, tally.server_errors[:10]
+    assert not tally.server_errors, (tally.server_errors[:10], _log_errors(serve))
     details = asyncio.run(settle(url, tally))
     for rid, d in details.items():
         status = d["run"]["status"]

@@ -100,3 +100,79 @@ async def test_a_failed_flush_keeps_its_batch_for_the_next(tmp_path) -> None:
         await p.flush_all()
         texts = [e.payload["text"] for e in store.read_events(tenant, "r1") if e.type == "token"]
         assert texts == ["2", "3"]
+
+
+async def test_a_cancelled_write_finishes_under_the_runs_lock_and_is_written_once(
+    tmp_path,
+) -> None:
+    """A task cancelled while its transaction runs (a run cancelled mid-write): the thread
+    commits anyway, so the task keeps the run's lock until it has, and what it wrote is
+    not put back into the buffers to be written twice. Before, the lock was let go at
+    once (on PostgreSQL, the run's next write raced the running one: a 500 on cancel in
+    the chaos test) and the committed events were written again."""
+    import asyncio
+    import threading
+
+    async with started(tmp_path) as (store, tenant, p):
+        await p.on_event("r1", "variable_ready", {"name": "y", "value": "2", "call": "a"})
+        await p.on_event("r1", "call_finished", {"call": "a"})
+        gate, entered = threading.Event(), threading.Event()
+        real = store.hold_call
+
+        def slow(*args, **kw):
+            entered.set()
+            assert gate.wait(30)
+            return real(*args, **kw)
+
+        store.hold_call = slow  # type: ignore[method-assign]
+        task = asyncio.create_task(p.on_event("r1", "call_started", {"call": "b", "engine": "e0"}))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=0.5)
+        assert not done, "the task let go while its transaction still ran"
+        assert p.runs["r1"].lock.locked()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not p.runs["r1"].lock.locked()
+        assert p.runs["r1"].buffered == [] and p.runs["r1"].finishes == []
+        store.hold_call = real  # type: ignore[method-assign]
+        await p.on_event("r1", "variable_ready", {"name": "z", "value": "3", "call": "b"})
+        types = [e.type for e in store.read_events(tenant, "r1")]
+        assert types == [
+            "run_created",
+            "call_started",
+            "token",
+            "variable_ready",
+            "call_finished",
+            "call_started",
+            "variable_ready",
+        ]
+        a, b = store.get_run(tenant, "r1").calls
+        assert (a.status, b.status) == ("done", "running")
+
+
+async def test_a_cancelled_flush_that_committed_is_not_written_again(tmp_path) -> None:
+    import asyncio
+    import threading
+
+    async with started(tmp_path) as (store, tenant, p):
+        gate, entered = threading.Event(), threading.Event()
+        real = store.append_events
+
+        def slow(*args, **kw):
+            entered.set()
+            assert gate.wait(30)
+            return real(*args, **kw)
+
+        store.append_events = slow  # type: ignore[method-assign]
+        task = asyncio.create_task(p.flush_all())
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store.append_events = real  # type: ignore[method-assign]
+        await p.flush_all()
+        texts = [e.payload["text"] for e in store.read_events(tenant, "r1") if e.type == "token"]
+        assert texts == ["2"]

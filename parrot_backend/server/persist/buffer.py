@@ -114,12 +114,20 @@ class WriteBuffer:
             taken = [(m.buffered, m.finishes) for m in metas]
             for meta in metas:
                 meta.buffered, meta.finishes = [], []
+            written = []
             try:
-                await self.db(self.batched, finishes, lambda: self.store.append_events(batch), True)
-            except BaseException:  # nothing was written: back into the buffers
-                for meta, (tokens, ends) in zip(metas, taken, strict=True):
-                    meta.buffered[:0] = tokens
-                    meta.finishes[:0] = ends
+                await self.db(
+                    self.batched,
+                    finishes,
+                    lambda: self.store.append_events(batch),
+                    True,
+                    on_success=written.append,
+                )
+            except BaseException:
+                if not written:  # nothing was written: back into the buffers
+                    for meta, (tokens, ends) in zip(metas, taken, strict=True):
+                        meta.buffered[:0] = tokens
+                        meta.finishes[:0] = ends
                 raise
         for run_id in dirty:
             self.notifier.wake(run_id)

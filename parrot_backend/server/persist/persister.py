@@ -3,7 +3,9 @@
 Each event's store work is one transaction, together with what the run had buffered
 (`buffer.py`). When it fails, nothing of it was written: the buffered events and call
 ends go back into the buffers (in order) for the next write or flush, and the event
-itself fails to the manager.
+itself fails to the manager. A write whose task is cancelled (a run cancelled mid-write)
+still runs to its end in its thread; the task waits for it under the run's lock, so a
+run's transactions never overlap (on PostgreSQL, overlapping ones deadlocked).
 """
 
 from __future__ import annotations
@@ -24,6 +26,29 @@ from .leases import renew_leases
 from .meta import RunMeta
 
 T = TypeVar("T")
+
+
+async def run_to_end(fut: asyncio.Future[T], on_success: Callable[[T], None] | None) -> T:
+    """Await a store call running in a thread, to its end even when the awaiting task is
+    cancelled: the thread goes on and commits whatever happens to the task, so the task
+    must not let go of the run's lock, nor put back into the buffers what was written,
+    before the transaction is over. `on_success(result)` runs once it committed (also
+    when cancelled); a cancellation is raised after that."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():
+                raise
+            cancelled = True  # the task was cancelled: the write goes on; wait for it
+        except BaseException:
+            break  # the write failed: fut holds its exception
+    if fut.exception() is None and on_success is not None:
+        on_success(fut.result())
+    if cancelled:
+        raise asyncio.CancelledError
+    return fut.result()
 
 
 class StorePersister:
@@ -54,10 +79,17 @@ class StorePersister:
         writers = 1 if store.dialect == "sqlite" else 4
         self._writer = ThreadPoolExecutor(writers, thread_name_prefix="parrot-store")
 
-    async def _db(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        """Run a store call on the writer thread(s)."""
+    async def _db(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        on_success: Callable[[T], None] | None = None,
+        **kw: Any,
+    ) -> T:
+        """Run a store call on the writer thread(s), to its end (`run_to_end`)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._writer, functools.partial(fn, *args, **kw))
+        fut = loop.run_in_executor(self._writer, functools.partial(fn, *args, **kw))
+        return await run_to_end(fut, on_success)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -138,9 +170,11 @@ class StorePersister:
     async def txn(self, meta: RunMeta, work: Callable[[], T], *, single: bool = False) -> T:
         """An event's store work (a closure run on the writer thread), in one transaction
         with the run's buffered call ends. Once per handler."""
-        result = await self._db(self.buffer.batched, meta.pending, work, single)
-        meta.committed = True
-        return result
+
+        def committed(_: object) -> None:
+            meta.committed = True
+
+        return await self._db(self.buffer.batched, meta.pending, work, single, on_success=committed)
 
     async def refresh_call_ids(self, run_id: str, meta: RunMeta) -> None:
         """Reload the call name -> store id map of a run."""

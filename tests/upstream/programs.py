@@ -80,14 +80,21 @@ def reference(
     values = dict(run.inputs)
     for name in program.topological_calls():
         call = program.calls[name]
-        [out] = [s for s in call.segments if isinstance(s, OutputRef)]
-        text = "".join(
-            s.text if isinstance(s, Text) else values[s.name]
-            for s in call.segments[: call.segments.index(out)]
-            if isinstance(s, (Text, InputRef))
-        )
-        values[out.name] = complete(tokenize(text), call.configs[out.name])
+        out, text = prompt_of(call, values)
+        values[out] = complete(tokenize(text), call.configs[out])
     return values
+
+
+def prompt_of(call, values: dict[str, str]) -> tuple[str, str]:
+    """A single-output call's output name and its prompt: the template up to the output,
+    with `values` substituted (as a request-level client renders it)."""
+    [out] = [s for s in call.segments if isinstance(s, OutputRef)]
+    text = "".join(
+        s.text if isinstance(s, Text) else values[s.name]
+        for s in call.segments[: call.segments.index(out)]
+        if isinstance(s, (Text, InputRef))
+    )
+    return out.name, text
 
 
 async def managed(

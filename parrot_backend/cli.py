@@ -8,34 +8,14 @@ import os
 import sys
 from pathlib import Path
 
-from parrot_backend.engine.model_files import DEFAULT_MODEL
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="local checkpoint folder, .gguf file, or the default model name",
-    )
-    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    p.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV pool size in blocks (default: sized from free memory)",
-    )
-
 
 def _generate(args: argparse.Namespace) -> int:
     from parrot_backend.contract.errors import EngineError
     from parrot_backend.contract.sampling import SamplingParams
-    from parrot_backend.engine.engine import Engine
+    from parrot_backend.server.engine_main import load_engine
 
     async def run() -> None:
-        engine = Engine.from_pretrained(
-            args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks
-        )
+        engine = load_engine(args)
         if args.raw or not engine.chat_template:
             prompt = engine.tokenize(args.prompt)
         else:
@@ -95,8 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from parrot_backend.contract.errors import EngineError
-    from parrot_backend.engine.engine import Engine
     from parrot_backend.server import ServerSettings, create_app
+    from parrot_backend.server.engine_main import load_engine
     from parrot_backend.server.runtime import NativeRuntime
     from parrot_backend.server.settings import is_loopback
     from parrot_backend.store import SchemaOutdatedError, Store, StoreError
@@ -126,13 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from parrot_backend.engines.upstream import serving as upstream_serving
 
-        local = (
-            None
-            if args.no_local_engine
-            else Engine.from_pretrained(
-                args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks
-            )
-        )
+        local = None if args.no_local_engine else load_engine(args)
         # --upstream servers (vLLM, SGLang, llama.cpp) run calls beside the local engine
         engines, engine, upstreams = upstream_serving.serve_engines(args, local)
         from parrot_backend.manager.manager import ManagerConfig
@@ -232,11 +206,13 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from parrot_backend.server.engine_main import add_engine_parser, add_model_arguments
+
     parser = argparse.ArgumentParser(prog="parrot-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion for one prompt")
     g.add_argument("prompt")
-    _engine_args(g)
+    add_model_arguments(g)  # --model, --dtype, --device, --num-blocks, --no-prefix-cache
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -245,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible and native API)")
-    _engine_args(s)
+    add_model_arguments(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
@@ -326,8 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     upstream_arguments(s)  # --upstream URL ..., --no-local-engine
     s.set_defaults(func=_serve)
-    from parrot_backend.server.engine_main import add_engine_parser
-
     add_engine_parser(sub)  # `parrot-backend engine`: a remote engine process
     return parser
 

@@ -1,11 +1,9 @@
 """`parrot-backend serve` for the harness, with what the benchmark must see or vary.
 
 Runs the real `serve` command (`parrot_backend.cli.main(["serve", ...])`: same store,
-manager, engine and routes) after three additions, none of which changes how a request
+manager, engine and routes) after two additions, neither of which changes how a request
 is served:
 
-- `--no-prefix-cache`: the engine's token-level prefix cache off (`EngineConfig.prefix_cache
-  = False`). `serve` has no flag for it; the request-level baseline needs it.
 - `--latency-capacity N`: the manager's `PolicyConfig.latency_capacity` (default 8), to
   test whether it is what queues latency calls.
 - `GET /bench/engine`: the engine's own counters (`Engine.stats_now()`: tokens computed,
@@ -14,8 +12,10 @@ is served:
   prefill tokens, priorities), kept in memory; `GET /bench/manager`: the manager's counts
   and ready -> dispatched delays. `/metrics` has no tokens-computed counter (a gap).
 
-Usage: python benchmarks/appbench/serve.py [--no-prefix-cache] [--latency-capacity N]
-       [serve options...]
+The request-level baseline turns the engine's token-level prefix cache off with serve's
+own `--no-prefix-cache`, passed through like every other serve option.
+
+Usage: python benchmarks/appbench/serve.py [--latency-capacity N] [serve options...]
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ import time
 from collections import deque
 
 
-def _take(argv: list[str], flag: str, value: bool) -> tuple[list[str], str | bool | None]:
+def _take(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """`argv` without `flag` and its value, and that value (None: not given)."""
     if flag not in argv:
         return argv, None
     i = argv.index(flag)
-    if value:
-        return argv[:i] + argv[i + 2 :], argv[i + 1]
-    return argv[:i] + argv[i + 1 :], True
+    return argv[:i] + argv[i + 2 :], argv[i + 1]
 
 
 def _record_steps(engine, log: deque) -> None:
@@ -143,17 +142,7 @@ def _set_latency_capacity(capacity: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    argv, no_cache = _take(argv, "--no-prefix-cache", False)
-    argv, capacity = _take(argv, "--latency-capacity", True)
-    from parrot_backend.engine import engine as engine_module
-
-    if no_cache:
-        load = engine_module.Engine.from_pretrained.__func__
-
-        def from_pretrained(cls, model=None, **kw):
-            return load(cls, model, **{**kw, "prefix_cache": False})
-
-        engine_module.Engine.from_pretrained = classmethod(from_pretrained)
+    argv, capacity = _take(argv, "--latency-capacity")
     if capacity is not None:
         _set_latency_capacity(int(capacity))
     import parrot_backend.server as server

@@ -27,10 +27,14 @@ import signal
 import socket
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 import httpx
 
 from ..engine.model_files import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 log = logging.getLogger("parrot_backend.engine_main")
 
@@ -47,7 +51,9 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments that load an in-process engine (`load_engine`): `engine`, and the
+    CLI's `serve` and `generate`."""
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -61,6 +67,29 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV pool size in blocks (default: sized from free memory)",
     )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn off the engine's token-level prefix cache (contexts forked from a "
+        "shared prefix still share its KV)",
+    )
+
+
+def load_engine(args: argparse.Namespace) -> Engine:
+    """The in-process engine the `add_model_arguments` arguments describe."""
+    from ..engine.engine import Engine
+
+    return Engine.from_pretrained(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_blocks=args.num_blocks,
+        prefix_cache=not args.no_prefix_cache,
+    )
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address the engine API listens on")
     p.add_argument("--port", type=int, default=8100, help="port (0: any free port)")
     p.add_argument(
@@ -164,7 +193,6 @@ def run_engine(args: argparse.Namespace) -> int:
     """Run the engine process until shutdown; returns the exit status."""
     import uvicorn
 
-    from ..engine.engine import Engine
     from .engine_api import create_engine_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -189,9 +217,7 @@ def run_engine(args: argparse.Namespace) -> int:
     url = (args.advertise_url or f"http://{host}:{port}").rstrip("/")
     engine_id = args.engine_id or f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
     try:
-        engine = Engine.from_pretrained(
-            args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks
-        )
+        engine = load_engine(args)
         app = create_engine_app(engine, api_key=api_key, manage_engine=True)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,27 @@
+"""The engine arguments of `generate`, `serve` and `engine` reach the engine they load."""
+
+from __future__ import annotations
+
+import pytest
+
+from parrot_backend.cli import build_parser
+from parrot_backend.server.engine_main import load_engine
+
+COMMANDS = [["generate", "hello"], ["serve"], ["engine"]]
+
+
+def _load(tiny_model_dir, command: list[str], *flags: str):
+    argv = [*command, "--model", str(tiny_model_dir), "--device", "cpu", "--num-blocks", "64"]
+    return load_engine(build_parser().parse_args([*argv, *flags]))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_no_prefix_cache_turns_the_engines_token_cache_off(tiny_model_dir, command) -> None:
+    engine = _load(tiny_model_dir, command, "--no-prefix-cache")
+    assert engine.stats_now().prefix_cache_enabled is False
+    assert engine.stats_now().blocks_total == 64
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_the_token_cache_is_on_by_default(tiny_model_dir, command) -> None:
+    assert _load(tiny_model_dir, command).stats_now().prefix_cache_enabled is True

@@ -28,6 +28,9 @@ class EngineConfig:
     prefix_cache: bool = True
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA (when installed)
     threads: int | None = None  # CPU threads of torch ops; None: chosen by measuring steps
+    # tokens per step of less urgent work while more urgent work runs (plus a quarter of
+    # the urgent tokens in the step); None: by device (`pick_background_tokens`)
+    background_tokens: int | None = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -65,3 +68,22 @@ def pick_backend(name: str, device: torch.device) -> str:
             return "torch"
         return "triton"
     return "torch"
+
+
+CPU_BACKGROUND_TOKENS = 4
+
+
+def pick_background_tokens(config: EngineConfig, device: torch.device) -> int:
+    """How much less urgent work a step carries beside more urgent work (see
+    `engine/scheduler.py`). On a CPU a step's time grows ~5 ms per extra decode row and
+    ~2.5 ms per prefill token next to a ~60 ms batch-1 step (SmolLM2-135M, fp32, 2 cores;
+    benchmarks/README.md, "Mixed tenants"), so 4 tokens keep a latency call's steps near
+    1.25x their idle time; on a GPU extra rows are nearly free until a step holds hundreds
+    of tokens: an eighth of the step budget."""
+    if config.background_tokens is not None:
+        if config.background_tokens < 0:
+            raise ValueError("background_tokens must be >= 0")
+        return config.background_tokens
+    if device.type == "cpu":
+        return CPU_BACKGROUND_TOKENS
+    return max(16, config.max_batched_tokens // 8)

@@ -26,7 +26,7 @@ from parrot_backend.contract.sampling import Constraint, SamplingParams
 
 from .attention import make_backend
 from .block_pool import BlockPool
-from .config import EngineConfig, pick_backend
+from .config import EngineConfig, pick_backend, pick_background_tokens
 from .context import Context, Request
 from .context_tree import ContextTree
 from .detokenizer import Detokenizer
@@ -97,6 +97,7 @@ class Engine(StepLoop):
             max_batched_tokens=config.max_batched_tokens,
             copy_block=self.runner.copy_block,
             contexts=self.contexts,
+            background_tokens=pick_background_tokens(config, device),
         )
         self._grammars: GrammarCompiler | None = None  # built by the first constraint
         self._grammars_lock: asyncio.Lock | None = None

@@ -1,10 +1,14 @@
 """Iteration-level scheduling over the context tree (continuous batching).
 
 Each step takes every running decode (one token each), then prefill chunks, under a
-token budget (chunked prefill). While a request decodes, the prefill of less urgent
-requests (a higher `priority`) gets at most `background_prefill_tokens` of a step (by
-default an eighth of the budget): a step costs about its tokens, so a latency call's
-every token would otherwise wait for a full chunk of throughput prefill.
+token budget (chunked prefill). While a more urgent request (a lower `priority`) runs,
+decoding or prefilling, the less urgent ones share `background_tokens` per step plus a
+quarter of the urgent work's tokens in that step: their decode rows count one token each,
+their prefill its chunk. A step's time grows with its tokens (on a CPU each extra decode
+row costs about 5 ms next to a ~60 ms batch-1 step), so without the cap a latency call's
+every token waits for a full batch of throughput decodes and a chunk of throughput
+prefill; with it a latency call's step is about 1.25x its idle time, and the throughput
+work still moves (the engine picks the default by device: `EngineConfig.background_tokens`).
 Waiting requests are admitted by priority, then arrival.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
@@ -53,15 +57,15 @@ class Scheduler:
         max_batched_tokens: int,
         copy_block: Callable[[int, int], None],
         contexts: dict[Hashable, Context],
-        background_prefill_tokens: int | None = None,
+        background_tokens: int | None = None,
     ) -> None:
         self.pool = pool
         self.contexts = contexts  # all live contexts: idle ones' KV is evictable
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
-        if background_prefill_tokens is None:
-            background_prefill_tokens = max(16, max_batched_tokens // 8)
-        self.background_prefill_tokens = background_prefill_tokens
+        if background_tokens is None:
+            background_tokens = max(16, max_batched_tokens // 8)
+        self.background_tokens = background_tokens
         self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -92,19 +96,26 @@ class Scheduler:
         planned: set[int] = set()
         # decodes first (one token each), then prefills; both by priority, then arrival
         order = sorted(self.running, key=lambda r: (r.pending > 1, r.priority, r.seq))
-        # the most urgent priority decoding this step: less urgent prefill rides along in
-        # a small chunk only (the module doc)
-        urgent = None
-        for req in order:
-            if req.pending > 1:
-                break  # prefills follow the decodes
-            if req.kind == "generate" and (urgent is None or req.priority < urgent):
-                urgent = req.priority
-        background = self.background_prefill_tokens
+        # the most urgent priority with work this step: less urgent work rides along in a
+        # small share of the step only (the module doc)
+        urgent = min(
+            (r.priority for r in order if r.kind == "generate" or r.pending > 0), default=None
+        )
+        background = 0
+        if urgent is not None and any(r.priority > urgent for r in order):
+            urgent_tokens = sum(
+                1 if r.pending <= 1 else min(r.pending, budget)
+                for r in order
+                if r.priority == urgent
+            )
+            background = self.background_tokens + min(urgent_tokens, budget) // 4
+        else:
+            urgent = None
         for req in order:
             if req not in self.running:
                 continue  # preempted while planning an earlier request
             ctx = req.ctx
+            behind = urgent is not None and req.priority > urgent
             if req.kind == "generate" and req.pending == 0:
                 kept = ctx.last_hidden
                 if kept is not None and kept[0] == len(ctx.tokens) and req.generated == 0:
@@ -114,15 +125,18 @@ class Scheduler:
                     work.append(Work(req, len(ctx.tokens), 0))
                     planned.add(id(req))
                     continue
+                if behind and background < 1:
+                    continue  # waits for a step with room for it
                 ctx.num_computed -= 1  # logits of the last token are needed: recompute it
             if req.pending == 0:
                 self.running.remove(req)
                 finished.append(req)
                 continue
             n = min(req.pending, budget)
-            behind = urgent is not None and req.pending > 1 and req.priority > urgent
             if behind:
                 n = min(n, background)
+                if n == 0:
+                    continue  # its turn comes in a step with room (later, or no urgent work)
             if n == 0:
                 break
             if not self._reserve(req, ctx.num_computed, n, planned):

@@ -61,9 +61,9 @@ def test_an_urgent_request_overtakes_a_full_batch_of_throughput_work(tiny_model_
 
 
 def test_less_urgent_prefill_rides_along_a_decode_in_small_chunks(tiny_model_dir):
-    """While a latency request decodes, a throughput prompt is filled an eighth of the
-    step budget at a time (each of the latency request's tokens waits for one step),
-    and generates what it generates when filled alone."""
+    """While a latency request decodes, a throughput prompt is filled a few tokens at a
+    time (`background_tokens` per step: each of the latency request's tokens waits for
+    one step), and generates what it generates when filled alone."""
 
     async def go(urgent: bool):
         engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
@@ -86,7 +86,7 @@ def test_less_urgent_prefill_rides_along_a_decode_in_small_chunks(tiny_model_dir
             bulk = await _gen(engine, "bulk", _prompt(400, 2), SHORT, 1, log)
             if task is not None:
                 await task
-        return plans, bulk, engine.scheduler.background_prefill_tokens
+        return plans, bulk, engine.scheduler.background_tokens
 
     plans, bulk, background = asyncio.run(go(True))
     alongside = [
@@ -100,3 +100,48 @@ def test_less_urgent_prefill_rides_along_a_decode_in_small_chunks(tiny_model_dir
     quiet_plans, quiet_bulk, _ = asyncio.run(go(False))
     assert max(n for plan in quiet_plans for _, _, n in plan) > background  # full chunks alone
     assert bulk == quiet_bulk
+
+
+def test_throughput_decodes_ride_along_a_latency_decode_a_few_rows_at_a_time(tiny_model_dir):
+    """Eight throughput requests decoding and one latency request: while the latency
+    request runs, each step carries at most `background_tokens` (+ a quarter of the
+    latency tokens) of throughput work; once it is done the eight decode together again,
+    and every request generates the tokens it generates without the latency one."""
+
+    async def go(urgent: bool):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=256, progress=False)
+        plans: list[list[tuple[int, int]]] = []
+        schedule = engine.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            plans.append([(w.req.priority, w.n) for w in out[0]])
+            return out
+
+        engine.scheduler.schedule = spy
+        log: list[str] = []
+        async with engine:
+            bulk = [
+                asyncio.create_task(_gen(engine, f"bulk{i}", _prompt(12, 20 + i), LONG, 1, log))
+                for i in range(8)
+            ]
+            while len(log) < 16:  # the batch is decoding
+                await asyncio.sleep(0.001)
+            tokens = None
+            if urgent:
+                tokens = await _gen(engine, "urgent", _prompt(10, 9), SHORT, 0, log)
+            bulk_tokens = await asyncio.gather(*bulk)
+        return plans, tokens, bulk_tokens, engine.scheduler.background_tokens
+
+    plans, tokens, bulk_tokens, background = asyncio.run(go(True))
+    assert len(tokens) == 3
+    with_urgent = [p for p in plans if any(prio == 0 for prio, _ in p)]
+    assert with_urgent
+    for plan in with_urgent:
+        urgent_tokens = sum(n for prio, n in plan if prio == 0)
+        assert sum(n for prio, n in plan if prio == 1) <= background + urgent_tokens // 4
+    # the cap bites: alone, the batch decodes 8 rows a step
+    assert any(sum(1 for prio, n in p if prio == 1 and n == 1) == 8 for p in plans)
+    assert background < 8
+    _, _, quiet_bulk, _ = asyncio.run(go(False))
+    assert bulk_tokens == quiet_bulk

@@ -10,7 +10,8 @@ is served:
   generated, steps, token-cache hits) and its torch thread count; `GET /bench/steps?after=N`:
   one record per engine step (start, duration, sequences, tokens computed, decode rows,
   prefill tokens, priorities), kept in memory; `GET /bench/manager`: the manager's counts
-  and ready -> dispatched delays. `/metrics` has no tokens-computed counter (a gap).
+  and ready -> dispatched delays. (`/metrics` has tokens computed too, but not the step
+  log, and not prefill tokens of the in-process engine.)
 
 The request-level baseline turns the engine's token-level prefix cache off with serve's
 own `--no-prefix-cache`, passed through like every other serve option.

@@ -49,6 +49,9 @@ class EngineStats:
     tokens_generated: int
     preemptions: int
     steps: int
+    # of tokens_computed, the prompt tokens (what fills and prompts added, not the tokens
+    # generations fed back); None: the engine does not tell them from decode tokens
+    prefill_tokens_computed: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property

@@ -151,7 +151,8 @@ class Manager:
     def counts(self) -> dict[str, int]:
         """Gauges and counters for metrics: calls waiting for an engine, calls running,
         runs held in memory, engines, shared prefixes held on engines (each one engine
-        context), calls dispatched, tokens generated, shared-prefix fills and forks."""
+        context), calls dispatched, tokens generated, shared-prefix fills and forks, and
+        the prompt tokens those forks took from a prefix instead of computing them."""
         return {
             "pending_calls": len(self.queue),
             "running_calls": sum(load.batch for load in self.engine_set.load.values()),
@@ -162,6 +163,7 @@ class Manager:
             "tokens_generated": self.tokens_generated,
             "prefix_fills": sum(self.sharing.fills.values()),
             "prefix_forks": sum(self.sharing.forks.values()),
+            "prefix_fork_tokens": sum(self.sharing.fork_tokens.values()),
         }
 
     def inflight(self, tenant: str | None) -> int:

@@ -91,6 +91,9 @@ class SharedPrefixes:
         self.clock = clock
         self.fills: Counter[str] = Counter()  # engine id -> prefix contexts filled
         self.forks: Counter[str] = Counter()  # engine id -> calls forked from a prefix
+        # engine id -> prompt tokens a fork took from a prefix's context (a call's, or a
+        # longer prefix's filled on a shorter one) instead of computing them
+        self.fork_tokens: Counter[str] = Counter()
         self._ready: dict[str, asyncio.Future[None]] = {}  # key -> its fill finished
         self._broken: set[str] = set()  # keys whose fill failed; dropped when released
         # engines outlive managers (remote engines, restarts): ids carry this manager's
@@ -162,6 +165,7 @@ class SharedPrefixes:
             raise
         if out.context_id is not None:
             self.forks[engine_id] += 1
+            self.fork_tokens[engine_id] += out.n_tokens
         return out
 
     async def _fill(
@@ -190,6 +194,8 @@ class SharedPrefixes:
                 ready.exception()  # no "never retrieved" warning when nobody waits
             raise
         self.fills[engine_id] += 1
+        if above.context_id is not None:
+            self.fork_tokens[engine_id] += above.n_tokens
         ready.set_result(None)
 
     async def release(self, engine_id: str, keys: Sequence[str]) -> None:

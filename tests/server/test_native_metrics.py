@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from .native_support import native_app, run_body
+from parrot_backend.contract.engine import EngineStats
+from parrot_backend.engine.engine import Engine
+from parrot_backend.server.metrics import ServerMetrics
+from parrot_backend.testing.fake_engine import FakeEngine, block_stats
+
+from .native_support import native_app, run_body, sse_events
 from .test_native_api import CHAIN
 
 
@@ -32,6 +37,63 @@ async def test_metrics_count_dispatched_calls_and_shared_prefix_use(tmp_path):
     assert native > 0 and _value(after, "parrot_tokens_generated_total") == native
     assert _value(after, "parrot_manager_pending_calls") == 0
     assert _value(after, "parrot_manager_engines") == 1
+
+
+SYSTEM = "You are a careful assistant who answers questions about birds in one sentence. "
+
+
+async def test_metrics_count_tokens_computed_and_prompt_tokens_forked(tiny_model_dir, tmp_path):
+    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=256, progress=False)
+    calls = [
+        {
+            "name": f"c{i}",
+            "template": SYSTEM + f"Question: {{{{input:q{i}}}}} Answer: {{{{output:a{i}}}}}",
+            "outputs": {f"a{i}": {"max_tokens": 4}},
+        }
+        for i in range(3)
+    ]
+    inputs = {"q0": "What do parrots eat?", "q1": "Can owls swim?", "q2": "Why sing?"}
+    await engine.start()
+    try:
+        async with native_app(tmp_path, engine=engine) as (c, rt):
+            before = (await c.get("/metrics")).text
+            assert _value(before, "parrot_engine_tokens_computed_total") == 0
+            assert _value(before, "parrot_manager_prefix_fork_tokens_total") == 0
+            rid = (await c.post("/v1/runs", json=run_body(*calls, inputs=inputs))).json()["run_id"]
+            events = sse_events((await c.get(f"/v1/runs/{rid}/events")).text)
+            assert events[-1]["data"]["status"] == "finished", events[-3:]
+            after = (await c.get("/metrics")).text
+            stats = engine.stats_now()
+            table = rt.manager.sharing.table
+            [prefix] = [table.get(k) for k in table.held("e0")]
+    finally:
+        await engine.stop()
+    computed = _value(after, "parrot_engine_tokens_computed_total")
+    assert computed == stats.tokens_computed > 0
+    # the system prompt is one prefix context, filled once; each call forks from it
+    forked = _value(after, "parrot_manager_prefix_fork_tokens_total")
+    assert forked == 3 * prefix.n_tokens and prefix.n_tokens > 10
+    # ... and its tokens are not computed again: at most the prefix once, each call's own
+    # prompt tokens and one token per generated one
+    prompts = sum(e["data"]["prompt_tokens"] for e in events if e["event"] == "call_finished")
+    assert computed <= prefix.n_tokens + prompts - forked + stats.tokens_generated
+    # prompt tokens the engine itself reused (token-level cache) keep their own counter
+    assert _value(after, "parrot_prefix_cache_hit_tokens_total") == stats.prefix_cache_hits
+
+
+async def test_prefill_tokens_are_exported_when_the_engine_counts_them():
+    counted, uncounted = FakeEngine(), FakeEngine()
+
+    async def counting() -> EngineStats:
+        return block_stats(16, 1600, 0, tokens_computed=30, prefill_tokens_computed=24)
+
+    counted.stats = counting
+    text = (await ServerMetrics().render(counted)).decode()
+    assert _value(text, "parrot_engine_tokens_computed_total") == 30
+    assert _value(text, "parrot_engine_prefill_tokens_computed_total") == 24
+    # an engine that does not tell prompt tokens from decode tokens gets no series, not a 0
+    text = (await ServerMetrics().render(uncounted)).decode()
+    assert "parrot_engine_prefill_tokens_computed" not in text
 
 
 async def test_new_work_gets_429_while_the_backlog_is_full(tmp_path):

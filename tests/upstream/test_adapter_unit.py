@@ -307,6 +307,18 @@ async def test_stats_combine_upstream_metrics_with_own_reservations() -> None:
     await engine.aclose()
 
 
+async def test_stats_count_the_prompt_tokens_the_upstream_computed() -> None:
+    fake = FakeUpstream()  # it reports 2 of every prompt's tokens as cached
+    engine = await connect(fake, warm_prefixes=False)
+    await engine.fill("c", None, ids("0123456789"))
+    await run(engine, "c", max_tokens=3)
+    stats = engine.stats_now()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10, 2)
+    assert stats.prefill_tokens_computed == 8
+    assert stats.tokens_computed == 8 + stats.tokens_generated
+    await engine.aclose()
+
+
 async def test_openai_upstream_streams_text_and_retokenizes_into_the_context() -> None:
     fake = FakeUpstream(kind="parrot", n_ctx=64)
     engine = await connect(fake)

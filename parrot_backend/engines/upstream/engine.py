@@ -421,6 +421,7 @@ class UpstreamEngine:
             tokens_generated=self.tokens_generated,
             preemptions=0,
             steps=0,
+            prefill_tokens_computed=self.prompt_tokens - self.cached_tokens,
             extra={
                 "kind": self.kind,
                 "url": self.url,

@@ -239,6 +239,7 @@ class Manager:
             run_id, program, tenant, key_salt, spec.open, dict(spec.outputs), EventLog(run_id)
         )
         run.calls = {name: CallStatus("waiting") for name in program.calls}
+        run.stated = bool(spec.outputs)
         self.runs[run_id] = run
         payload = {
             "program": program_json,
@@ -301,6 +302,7 @@ class Manager:
         for call in built:
             run.calls[call.name] = CallStatus("waiting")
         for name, perf in (waits or {}).items():
+            run.stated = True
             if run.waits.get(name) != "latency":
                 run.waits[name] = perf
         await self.transitions.deduce(run)
@@ -342,13 +344,16 @@ class Manager:
         self,
         run_id: str,
         name: str,
-        perf: Criterion = "latency",
+        perf: Criterion | None = "latency",
         timeout: float | None = None,
     ) -> str:
         """Wait for a variable's value. `perf` tells the objective deduction what the
-        client needs. Raises VariableFailed, RunCancelled, UnknownVariableError, or
-        TimeoutError after `timeout` seconds (the run goes on)."""
-        if perf not in PRIORITY:
+        client needs. None: no preference; the objectives stay as the client stated them
+        (the run's outputs, an earlier `perf`), and only a run with none stated waits with
+        latency (a client waiting for a value it said nothing about wants it now).
+        Raises VariableFailed, RunCancelled, UnknownVariableError, or TimeoutError after
+        `timeout` seconds (the run goes on)."""
+        if perf is not None and perf not in PRIORITY:
             raise ValueError(f"perf must be 'latency' or 'throughput', got {perf!r}")
         run = self._run(run_id)
         if name in run.values:
@@ -364,7 +369,11 @@ class Manager:
         fut = run.futures.get(name)
         if fut is None:
             fut = run.futures[name] = asyncio.get_running_loop().create_future()
-        if run.waits.get(name) != "latency" and run.waits.get(name) != perf:
+        if perf is not None:
+            run.stated = True
+        elif not run.stated:
+            perf = "latency"
+        if perf is not None and run.waits.get(name) not in ("latency", perf):
             run.waits[name] = perf
             await self.transitions.deduce(run)
         async with asyncio.timeout(timeout):

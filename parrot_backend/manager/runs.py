@@ -105,6 +105,9 @@ class Run:
     failed: dict[str, str] = field(default_factory=dict)  # variable -> reason
     calls: dict[str, CallStatus] = field(default_factory=dict)
     waits: dict[str, Criterion] = field(default_factory=dict)  # from get(perf=...)
+    # a client stated a criterion (outputs when created or with added calls, or a get
+    # with perf): a get with no perf then leaves the objectives alone
+    stated: bool = False
     futures: dict[str, asyncio.Future[str]] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # running calls
     queued: dict[str, Any] = field(default_factory=dict)  # ready calls the dispatcher holds

@@ -256,7 +256,7 @@ async def wait_value(
     rt: NativeRuntime,
     run_id: str,
     name: str,
-    perf: Literal["latency", "throughput"],
+    perf: Literal["latency", "throughput"] | None,
     timeout: float,
 ) -> str:
     """`Manager.get`, working around a race in it: a `get` that changes the run's waits
@@ -282,12 +282,15 @@ async def get_variable(
     name: NamePath,
     rt: RuntimeDep,
     tenant: TenantDep,
-    perf: Literal["latency", "throughput"] = "latency",
+    perf: Literal["latency", "throughput"] | None = None,
     timeout: Annotated[float, Query(ge=0, le=MAX_POLL_S)] = 30.0,
 ) -> VariableView:
     """A variable's value, waiting up to `timeout` seconds for it (long-poll). `perf`
     tells the scheduler what the client needs (latency: end-to-end time of this value;
-    throughput: part of a batch). A failed variable answers with `status: failed`."""
+    throughput: part of a batch) and re-deduces the run's objectives; omitted, the
+    objectives the client stated (the run's `outputs`, an earlier `perf`) stand, and a
+    run with none stated waits with latency. A failed variable answers with
+    `status: failed`."""
     await owned(rt, tenant, run_id)
     if rt.live(tenant, run_id):
         # once the manager has the value (or the failure) the store has it too (committed

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def usage_of(run: RequestRun) -> Usage:
+    """The request's usage, for the response and the streamed usage chunk alike: completion
+    tokens are every delta that carried a token id, the EOS that ended a choice included
+    (what native calls count too, `CallRunner.tokens`)."""
     return Usage(
         prompt_tokens=run.prompt_tokens,
         completion_tokens=run.total_completion_tokens,

@@ -43,7 +43,7 @@ async def test_run_chain_values_and_detail(tmp_path) -> None:
         assert detail["variables"]["y"]["value"] == "<go>"
         assert [(k["name"], k["status"]) for k in detail["calls"]] == [("a", "done"), ("b", "done")]
         assert [k["objective"] for k in detail["calls"]] == ["latency", "latency"]
-        assert detail["calls"][0]["completion_tokens"] == len("<go>")
+        assert detail["calls"][0]["completion_tokens"] == len("<go>") + 1  # and the EOS
         assert detail["calls"][0]["first_token_at"] is not None
         assert detail["calls"][0]["finished_at"] is not None
         assert detail["run"]["status"] == "done"

@@ -54,7 +54,7 @@ def broken(*args, **kw):
 async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path) -> None:
     async with started(tmp_path) as (store, tenant, p):
         await p.on_event("r1", "variable_ready", {"name": "y", "value": "2", "call": "a"})
-        await p.on_event("r1", "call_finished", {"call": "a"})
+        await p.on_event("r1", "call_finished", {"call": "a", "completion_tokens": 1})
         assert store.get_run(tenant, "r1").calls[0].status == "running"  # buffered
 
         real = store.hold_call
@@ -72,7 +72,7 @@ async def test_a_failed_write_keeps_buffered_call_ends_for_the_next_one(tmp_path
         assert a.first_token_at is not None and a.finished_at <= b.started_at
         assert p.runs["r1"].finishes == []
         await p.on_event("r1", "variable_ready", {"name": "z", "value": "3", "call": "b"})
-        await p.on_event("r1", "call_finished", {"call": "b"})
+        await p.on_event("r1", "call_finished", {"call": "b", "completion_tokens": 1})
         await p.flush_all()  # no later event: the flusher writes it
         assert store.get_run(tenant, "r1").calls[1].status == "done"
         # nothing lost: the failed write's buffered end went with the retry, in order
@@ -115,7 +115,7 @@ async def test_a_cancelled_write_finishes_under_the_runs_lock_and_is_written_onc
 
     async with started(tmp_path) as (store, tenant, p):
         await p.on_event("r1", "variable_ready", {"name": "y", "value": "2", "call": "a"})
-        await p.on_event("r1", "call_finished", {"call": "a"})
+        await p.on_event("r1", "call_finished", {"call": "a", "completion_tokens": 1})
         gate, entered = threading.Event(), threading.Event()
         real = store.hold_call
 

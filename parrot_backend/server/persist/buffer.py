@@ -61,24 +61,25 @@ class WriteBuffer:
     def add_token(self, meta: RunMeta, payload: dict[str, Any]) -> None:
         """Buffer a token event."""
         meta.buffered.append(("token", payload))
-        call = payload["call"]
-        meta.counts[call] += 1
-        meta.first_token.setdefault(call, utcnow())
+        meta.first_token.setdefault(payload["call"], utcnow())
         self.dirty.set()
 
     def add_finish(self, meta: RunMeta, payload: dict[str, Any]) -> None:
         """Buffer a `call_finished` event and the call's end."""
         meta.buffered.append(("call_finished", payload))
-        meta.finishes.append(self._finish_args(meta, payload["call"]))
+        meta.finishes.append(self._finish_args(meta, payload))
         self.dirty.set()
 
-    def _finish_args(self, meta: RunMeta, call: str) -> dict[str, Any]:
-        """`Store.finish_call` arguments for a call that ended now."""
+    def _finish_args(self, meta: RunMeta, payload: dict[str, Any]) -> dict[str, Any]:
+        """`Store.finish_call` arguments for a call that ended now. Its completion tokens
+        are the event's: every token the engine generated, EOS included, as OpenAI usage
+        counts them (token events leave out tokens with no text of their own)."""
+        call = payload["call"]
         return {
             "call_id": meta.call_ids[call],
             "worker": self.worker,
             "outputs": {},
-            "completion_tokens": meta.counts.get(call, 0),
+            "completion_tokens": payload["completion_tokens"],
             "first_token_at": meta.first_token.pop(call, None),
             "now": utcnow(),
         }

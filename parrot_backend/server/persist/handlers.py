@@ -144,7 +144,6 @@ async def on_call_started(
 ) -> None:
     st = p.store
     call = payload["call"]
-    meta.counts[call] = 0
     meta.first_token.pop(call, None)
     first = not meta.started
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,7 +28,6 @@ class RunMeta:
     finishes: list[dict[str, Any]] = field(default_factory=list)  # buffered call ends
     pending: list[dict[str, Any]] = field(default_factory=list)  # ends taken by a write
     committed: bool = False  # the current write's transaction committed
-    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # call -> tokens
     first_token: dict[str, datetime] = field(default_factory=dict)  # recorded at the end
 
     def set_calls(self, calls: tuple[CallRecord, ...]) -> None:

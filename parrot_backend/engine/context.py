@@ -88,6 +88,7 @@ class Request:
     seq: int = field(default_factory=lambda: next(_ids))
     priority: int = 0  # lower runs first (latency-critical work)
     generated: int = 0
+    prompt_end: int | None = None  # a generate's context length when it was first admitted
     done: bool = False
     eos_ids: frozenset[int] = frozenset()
 

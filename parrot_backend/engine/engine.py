@@ -102,6 +102,7 @@ class Engine(StepLoop):
         self._grammars: GrammarCompiler | None = None  # built by the first constraint
         self._grammars_lock: asyncio.Lock | None = None
         self.tokens_computed = 0
+        self.prefill_tokens_computed = 0  # of those, prompt tokens (not sampled ones' KV)
         self.tokens_generated = 0
         self.steps = 0
         self.error: BaseException | None = None  # set when the engine loop died
@@ -280,6 +281,7 @@ class Engine(StepLoop):
             running=len(s.running),
             waiting=len(s.waiting),
             tokens_computed=self.tokens_computed,
+            prefill_tokens_computed=self.prefill_tokens_computed,
             tokens_generated=self.tokens_generated,
             preemptions=s.preemptions,
             steps=self.steps,

@@ -175,6 +175,8 @@ class Scheduler:
             if not ctx.attached:
                 self._attach(ctx)
             self._match_prefix(ctx)
+            if req.prompt_end is None:
+                req.prompt_end = len(ctx.tokens)
             self.waiting.remove(req)
             self.running.append(req)
 

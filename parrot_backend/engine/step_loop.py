@@ -68,6 +68,7 @@ class StepLoop:
     max_model_len: int
     steps: int
     tokens_computed: int
+    prefill_tokens_computed: int
     tokens_generated: int
     error: BaseException | None
     _grammars: GrammarCompiler | None
@@ -237,6 +238,10 @@ class StepLoop:
                 self._fail(req, token)
                 continue
             self.tokens_computed += w.n
+            if req.kind == "fill" or req.prompt_end is None:
+                self.prefill_tokens_computed += w.n
+            else:  # positions before the generation began are prompt (a recompute too)
+                self.prefill_tokens_computed += max(0, min(w.n, req.prompt_end - w.start))
             if ctx.freed:
                 continue
             before = ctx.num_computed

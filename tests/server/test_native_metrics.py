@@ -79,6 +79,11 @@ async def test_metrics_count_tokens_computed_and_prompt_tokens_forked(tiny_model
     assert computed <= prefix.n_tokens + prompts - forked + stats.tokens_generated
     # prompt tokens the engine itself reused (token-level cache) keep their own counter
     assert _value(after, "parrot_prefix_cache_hit_tokens_total") == stats.prefix_cache_hits
+    # the in-process engine tells prompt tokens from decode tokens: the prefix once plus
+    # each call's own prompt tokens, less what its token-level cache served
+    prefill = _value(after, "parrot_engine_prefill_tokens_computed_total")
+    assert prefill == stats.prefill_tokens_computed
+    assert prefill == prefix.n_tokens + prompts - forked - stats.prefix_cache_hits
 
 
 async def test_prefill_tokens_are_exported_when_the_engine_counts_them():

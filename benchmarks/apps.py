@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import os
 import shlex
 import socket
@@ -190,7 +191,10 @@ async def run_mixed(http, phase: str, args, model: str, bar) -> list[dict]:
     out = []
     for mi, mode in enumerate(("parrot", "request-level")):
         seed = args.seed + 9000 + 10 * mi
-        size = MIXED["quick" if args.quick else "gpu" if args.gpu else "cpu"]
+        size = copy.deepcopy(MIXED["quick" if args.quick else "gpu" if args.gpu else "cpu"])
+        for key, value in args.sizes.get("mixed_tenant", {}).items():
+            part, _, name = key.partition(".")
+            size[part][name] = value  # --size mixed_tenant.batch.docs=24
 
         def build(s: int, size: dict = size) -> tuple[workloads.Workload, workloads.Workload]:
             chain = workloads.build("chain_summary", s, quick=args.quick, **size["chain"])
@@ -301,7 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
         default=[],
         metavar="WORKLOAD.KEY=N",
         help="override a size, e.g. shared_prompt.users=12 (repeatable; keys in "
-        "appbench/workloads.py SIZES)",
+        "appbench/workloads.py SIZES; mixed_tenant.chain.KEY / mixed_tenant.batch.KEY "
+        "for the mixed-tenant chain and batch, keys in apps.py MIXED)",
     )
     ap.add_argument(
         "--seed",
@@ -324,7 +329,11 @@ def main(argv: list[str] | None = None) -> dict:
     for item in args.size:
         key, _, value = item.partition("=")
         workload, _, field = key.partition(".")
-        if workload not in workloads.SIZES or field not in workloads.SIZES[workload][0]:
+        if workload == "mixed_tenant":
+            part, _, name = field.partition(".")
+            if part not in ("chain", "batch") or name not in MIXED["cpu"][part]:
+                ap.error(f"--size {item}: no such size (mixed_tenant.chain.* / .batch.*)")
+        elif workload not in workloads.SIZES or field not in workloads.SIZES[workload][0]:
             ap.error(f"--size {item}: no such workload size")
         args.sizes.setdefault(workload, {})[field] = int(value)
     if args.seed is None:

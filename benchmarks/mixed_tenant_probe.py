@@ -26,11 +26,43 @@ import apps  # noqa: E402
 from appbench import modes, workloads  # noqa: E402
 
 
-async def probe(url: str, pairs: int, steps_shown: int) -> None:
+async def alone(http: httpx.AsyncClient, model: str, pairs: int, size: dict) -> None:
+    """The throughput batch alone in both modes (fresh texts each), with a summary of its
+    engine steps: where does a mode's batch time go?"""
+    for i, mode in enumerate(["parrot", "request-level"] * pairs):
+        batch = workloads.build("map_reduce", 555 + 10 * i, **size["batch"])
+        batch.criterion = "throughput"
+        mark = await modes.step_mark(http)
+        if mode == "parrot":
+            got = await modes.run_parrot(http, batch, 0.25, counters=False)
+        else:
+            got = await modes.run_request_level(http, batch, 0.25, model, counters=False)
+        steps = (await http.get("/bench/steps", params={"after": mark})).json()["steps"]
+        busy = sum(s["dt"] for s in steps)
+        pre = [s for s in steps if s["prefill"]]
+        dec = [s for s in steps if not s["prefill"]]
+        rows = sum(s["decode"] for s in dec) / max(1, len(dec))
+        print(
+            f"{mode}: batch {got['jct']:.2f} s, {len(steps)} steps busy {busy:.2f} s; "
+            f"{len(pre)} with prefill ({sum(s['dt'] for s in pre):.2f} s, "
+            f"{sum(s['prefill'] for s in pre)} tokens), {len(dec)} decode-only "
+            f"({sum(s['dt'] for s in dec):.2f} s, mean {rows:.1f} rows)"
+        )
+        for s in steps[:60]:
+            print(
+                f"    {s['t'] - steps[0]['t']:6.2f} {s['dt']:.3f} {s['seqs']:3d} "
+                f"{s['decode']:3d} {s['prefill']:4d}"
+            )
+
+
+async def probe(url: str, pairs: int, steps_shown: int, batch_alone: bool = False) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         size = apps.MIXED["cpu"]
         await modes.calibrate(http, model, "warm up text " * 100, reps=1)
+        if batch_alone:
+            await alone(http, model, pairs, size)
+            return
         for i, mode in enumerate(["parrot", "request-level"] * pairs):
             seed = 777 + 10 * i
             chain = workloads.build("chain_summary", seed, **size["chain"])
@@ -75,8 +107,11 @@ def main() -> None:
     ap.add_argument("url")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80, help="steps to print per run")
+    ap.add_argument(
+        "--batch-alone", action="store_true", help="only the batch, alone, in both modes"
+    )
     args = ap.parse_args()
-    asyncio.run(probe(args.url, args.pairs, args.steps))
+    asyncio.run(probe(args.url, args.pairs, args.steps, args.batch_alone))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA (when installed)
     threads: int | None = None  # CPU threads of torch ops; None: chosen by measuring steps
     # tokens per step of less urgent work while more urgent work runs (plus a quarter of
-    # the urgent tokens in the step); None: by device (`pick_background_tokens`)
+    # the urgent tokens in the step), and every how many such steps it runs uncapped (0:
+    # never); None: by device (`pick_background`)
     background_tokens: int | None = None
+    background_every: int | None = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -70,20 +72,23 @@ def pick_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
-CPU_BACKGROUND_TOKENS = 4
-
-
-def pick_background_tokens(config: EngineConfig, device: torch.device) -> int:
-    """How much less urgent work a step carries beside more urgent work (see
-    `engine/scheduler.py`). On a CPU a step's time grows ~5 ms per extra decode row and
-    ~2.5 ms per prefill token next to a ~60 ms batch-1 step (SmolLM2-135M, fp32, 2 cores;
-    benchmarks/README.md, "Mixed tenants"), so 4 tokens keep a latency call's steps near
-    1.25x their idle time; on a GPU extra rows are nearly free until a step holds hundreds
-    of tokens: an eighth of the step budget."""
-    if config.background_tokens is not None:
-        if config.background_tokens < 0:
-            raise ValueError("background_tokens must be >= 0")
-        return config.background_tokens
-    if device.type == "cpu":
-        return CPU_BACKGROUND_TOKENS
-    return max(16, config.max_batched_tokens // 8)
+def pick_background(config: EngineConfig, device: torch.device) -> tuple[int, int]:
+    """(background_tokens, background_every): how much less urgent work a step carries
+    beside more urgent work (`engine/scheduler.py`). On a CPU the first extra row of a
+    decode step is the dear one (SmolLM2-135M, fp32, 2 cores: 1 row ~65 ms, 5 rows
+    ~125 ms, 12 rows ~160 ms), so nothing rides along and the background runs in full
+    every 6th step (a latency call's steps then average ~1.25x their idle time); on a
+    GPU extra rows are nearly free until a step holds hundreds of tokens: an eighth of
+    the step budget every step."""
+    for name in ("background_tokens", "background_every"):
+        value = getattr(config, name)
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0")
+    cpu = device.type == "cpu"
+    tokens = config.background_tokens
+    if tokens is None:
+        tokens = 0 if cpu else max(16, config.max_batched_tokens // 8)
+    every = config.background_every
+    if every is None:
+        every = 6 if cpu else 0
+    return tokens, every

@@ -26,7 +26,7 @@ from parrot_backend.contract.sampling import Constraint, SamplingParams
 
 from .attention import make_backend
 from .block_pool import BlockPool
-from .config import EngineConfig, pick_backend, pick_background_tokens
+from .config import EngineConfig, pick_backend, pick_background
 from .context import Context, Request
 from .context_tree import ContextTree
 from .detokenizer import Detokenizer
@@ -91,19 +91,22 @@ class Engine(StepLoop):
             self.threads = ThreadTuner(1, fixed=True, set_threads=lambda n: None)
         self.tree = ContextTree(self.pool, self.max_model_len)
         self.contexts: dict[Hashable, Context] = self.tree.contexts
+        background = pick_background(config, device)
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=config.max_num_seqs,
             max_batched_tokens=config.max_batched_tokens,
             copy_block=self.runner.copy_block,
             contexts=self.contexts,
-            background_tokens=pick_background_tokens(config, device),
+            background_tokens=background[0],
+            background_every=background[1],
         )
         self._grammars: GrammarCompiler | None = None  # built by the first constraint
         self._grammars_lock: asyncio.Lock | None = None
         self.tokens_computed = 0
         self.prefill_tokens_computed = 0  # of those, prompt tokens (not sampled ones' KV)
         self.tokens_generated = 0
+        self.ended = self._seen_ended = 0
         self.steps = 0
         self.error: BaseException | None = None  # set when the engine loop died
         self._wake: asyncio.Event | None = None

@@ -4,11 +4,15 @@ Each step takes every running decode (one token each), then prefill chunks, unde
 token budget (chunked prefill). While a more urgent request (a lower `priority`) runs,
 decoding or prefilling, the less urgent ones share `background_tokens` per step plus a
 quarter of the urgent work's tokens in that step: their decode rows count one token each,
-their prefill its chunk. A step's time grows with its tokens (on a CPU each extra decode
-row costs about 5 ms next to a ~60 ms batch-1 step), so without the cap a latency call's
-every token waits for a full batch of throughput decodes and a chunk of throughput
-prefill; with it a latency call's step is about 1.25x its idle time, and the throughput
-work still moves (the engine picks the default by device: `EngineConfig.background_tokens`).
+their prefill its chunk; and every `background_every`-th such step (0: never) they run
+uncapped. A step's time grows with its tokens, so without the cap a latency call's every
+token waits for a full batch of throughput decodes and a chunk of throughput prefill. On a
+GPU extra rows are nearly free up to hundreds of tokens: a share each step suits it. On a
+CPU the first extra row is the dear one (SmolLM2-135M, 2 cores: a decode step of 1 row
+~65 ms, 5 rows ~125 ms, 12 rows ~160 ms; the matmuls leave their matrix-vector path), so
+there the share is 0 and the background runs in full every 6th step: a latency call's
+steps average ~1.25x their idle time and the throughput work still moves (defaults by
+device: `EngineConfig.background_tokens` / `background_every`).
 Waiting requests are admitted by priority, then arrival.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
@@ -58,6 +62,7 @@ class Scheduler:
         copy_block: Callable[[int, int], None],
         contexts: dict[Hashable, Context],
         background_tokens: int | None = None,
+        background_every: int = 0,
     ) -> None:
         self.pool = pool
         self.contexts = contexts  # all live contexts: idle ones' KV is evictable
@@ -66,6 +71,8 @@ class Scheduler:
         if background_tokens is None:
             background_tokens = max(16, max_batched_tokens // 8)
         self.background_tokens = background_tokens
+        self.background_every = background_every
+        self.urgent_steps = 0  # steps planned with more and less urgent work both running
         self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -109,6 +116,9 @@ class Scheduler:
                 if r.priority == urgent
             )
             background = self.background_tokens + min(urgent_tokens, budget) // 4
+            self.urgent_steps += 1
+            if self.background_every and self.urgent_steps % self.background_every == 0:
+                background = budget  # the background's turn: uncapped this step
         else:
             urgent = None
         for req in order:

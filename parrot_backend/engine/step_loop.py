@@ -37,6 +37,10 @@ from .threads import ThreadTuner
 
 log = logging.getLogger(__name__)
 
+# event-loop passes the loop gives up after requests end, before it plans the next step:
+# `await asyncio.shield(fut)` wakes its task on the second pass after `fut` resolves
+YIELDS_AFTER_END = 3
+
 _compute: ThreadPoolExecutor | None = None
 
 
@@ -70,6 +74,8 @@ class StepLoop:
     tokens_computed: int
     prefill_tokens_computed: int
     tokens_generated: int
+    ended: int  # requests finished (or failed) so far
+    _seen_ended: int  # `ended` when the last step was planned
     error: BaseException | None
     _grammars: GrammarCompiler | None
     _wake: asyncio.Event
@@ -109,6 +115,7 @@ class StepLoop:
         self._wake.set()
 
     def _finish(self, req: Request) -> None:
+        self.ended += 1
         req.done = True
         self.scheduler.remove(req)
         if req in req.ctx.queue:
@@ -127,6 +134,17 @@ class StepLoop:
     async def _loop(self) -> None:
         try:
             while not self._stopping:
+                if self.ended != self._seen_ended:
+                    # requests ended since the last plan: let their callers run before the
+                    # next one, so that a call's next request (the fork after its prefix's
+                    # fill, the generation after its prompt's) is in it, with its priority,
+                    # instead of a step of less urgent work planned without it (a future
+                    # resolved here wakes its awaiting task a loop pass or two later)
+                    self._seen_ended = self.ended
+                    for _ in range(YIELDS_AFTER_END):
+                        await asyncio.sleep(0)
+                    if self._stopping:  # stop() set the wake-up meanwhile: clearing it
+                        break  # below would lose it
                 work, finished, failed = self.scheduler.schedule()
                 for req in finished:
                     self._finish(req)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from parrot_backend.engine.block_pool import BlockPool
-from parrot_backend.engine.config import EngineConfig, pick_background_tokens
+from parrot_backend.engine.config import EngineConfig, pick_background
 from parrot_backend.engine.context import Context, Request
 from parrot_backend.engine.scheduler import Scheduler
 
 BS = 16
 
 
-def _scheduler(background: int = 4, budget: int = 512) -> Scheduler:
+def _scheduler(background: int = 4, budget: int = 512, every: int = 0) -> Scheduler:
     contexts: dict = {}
     return Scheduler(
         BlockPool(512, BS),
@@ -24,6 +24,7 @@ def _scheduler(background: int = 4, budget: int = 512) -> Scheduler:
         copy_block=lambda src, dst: None,
         contexts=contexts,
         background_tokens=background,
+        background_every=every,
     )
 
 
@@ -124,10 +125,32 @@ def test_a_skipped_throughput_decode_keeps_its_state():
     assert _plan(s) == {"b": 1}
 
 
-def test_the_default_share_is_picked_by_device():
-    assert pick_background_tokens(EngineConfig(), torch.device("cpu")) == 4
+def test_every_nth_urgent_step_the_background_runs_uncapped():
+    s = _scheduler(background=0, every=3)
+    bulk = [_add(s, f"b{i}", 20, 1) for i in range(5)]
+    chat = _add(s, "chat", 20, 0)
+    s._admit()
+    for r in [*bulk, chat]:
+        _decoding(s, r)
+    riding = []
+    for _ in range(6):
+        plan = _plan(s)
+        assert plan["chat"] == 1
+        riding.append(len(plan) - 1)
+        for r in s.running:  # each planned row sampled a token: one pending again
+            if r.ctx.id in plan:
+                r.ctx.num_computed += 1
+                r.ctx.tokens.append(7)
+    assert riding == [0, 0, 5, 0, 0, 5]
+
+
+def test_the_defaults_are_picked_by_device():
+    assert pick_background(EngineConfig(), torch.device("cpu")) == (0, 6)
     gpu = EngineConfig(max_batched_tokens=2048)
-    assert pick_background_tokens(gpu, torch.device("cuda")) == 256
-    assert pick_background_tokens(EngineConfig(background_tokens=9), torch.device("cpu")) == 9
+    assert pick_background(gpu, torch.device("cuda")) == (256, 0)
+    mine = EngineConfig(background_tokens=9, background_every=2)
+    assert pick_background(mine, torch.device("cpu")) == (9, 2)
     with pytest.raises(ValueError, match="background_tokens"):
-        pick_background_tokens(EngineConfig(background_tokens=-1), torch.device("cpu"))
+        pick_background(EngineConfig(background_tokens=-1), torch.device("cpu"))
+    with pytest.raises(ValueError, match="background_every"):
+        pick_background(EngineConfig(background_every=-1), torch.device("cuda"))

@@ -13,6 +13,7 @@ from parrot_backend.engine.engine import Engine
 
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, ignore_eos=True)
+SHORT_20 = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
 def _prompt(n, seed):
@@ -62,11 +63,17 @@ def test_an_urgent_request_overtakes_a_full_batch_of_throughput_work(tiny_model_
 
 def test_less_urgent_prefill_rides_along_a_decode_in_small_chunks(tiny_model_dir):
     """While a latency request decodes, a throughput prompt is filled a few tokens at a
-    time (`background_tokens` per step: each of the latency request's tokens waits for
-    one step), and generates what it generates when filled alone."""
+    time (`background_tokens` per step, the GPU's way: each of the latency request's
+    tokens waits for one step), and generates what it generates when filled alone."""
 
     async def go(urgent: bool):
-        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        engine = Engine.from_pretrained(
+            tiny_model_dir,
+            num_blocks=128,
+            background_tokens=16,
+            background_every=0,
+            progress=False,
+        )
         plans: list[list[tuple[int, str, int]]] = []
         schedule = engine.scheduler.schedule
 
@@ -102,11 +109,13 @@ def test_less_urgent_prefill_rides_along_a_decode_in_small_chunks(tiny_model_dir
     assert bulk == quiet_bulk
 
 
-def test_throughput_decodes_ride_along_a_latency_decode_a_few_rows_at_a_time(tiny_model_dir):
-    """Eight throughput requests decoding and one latency request: while the latency
-    request runs, each step carries at most `background_tokens` (+ a quarter of the
-    latency tokens) of throughput work; once it is done the eight decode together again,
-    and every request generates the tokens it generates without the latency one."""
+def test_throughput_decodes_make_every_sixth_step_beside_a_latency_decode_on_cpu(
+    tiny_model_dir,
+):
+    """Eight throughput requests decoding and one latency request, CPU defaults: while the
+    latency request runs, its steps carry no throughput work except every 6th, which
+    carries all of it; once it is done the eight decode together again, and every request
+    generates the tokens it generates without the latency one."""
 
     async def go(urgent: bool):
         engine = Engine.from_pretrained(tiny_model_dir, num_blocks=256, progress=False)
@@ -129,19 +138,68 @@ def test_throughput_decodes_ride_along_a_latency_decode_a_few_rows_at_a_time(tin
                 await asyncio.sleep(0.001)
             tokens = None
             if urgent:
-                tokens = await _gen(engine, "urgent", _prompt(10, 9), SHORT, 0, log)
+                tokens = await _gen(engine, "urgent", _prompt(10, 9), SHORT_20, 0, log)
             bulk_tokens = await asyncio.gather(*bulk)
-        return plans, tokens, bulk_tokens, engine.scheduler.background_tokens
+        s = engine.scheduler
+        return plans, tokens, bulk_tokens, (s.background_tokens, s.background_every)
 
     plans, tokens, bulk_tokens, background = asyncio.run(go(True))
-    assert len(tokens) == 3
+    assert background == (0, 6)  # the CPU defaults
+    assert len(tokens) == 20
     with_urgent = [p for p in plans if any(prio == 0 for prio, _ in p)]
-    assert with_urgent
-    for plan in with_urgent:
-        urgent_tokens = sum(n for prio, n in plan if prio == 0)
-        assert sum(n for prio, n in plan if prio == 1) <= background + urgent_tokens // 4
-    # the cap bites: alone, the batch decodes 8 rows a step
-    assert any(sum(1 for prio, n in p if prio == 1 and n == 1) == 8 for p in plans)
-    assert background < 8
+    # (the fill's step carries a quarter of its 10 tokens: 2 rows)
+    decoding = [p for p in with_urgent if all(n <= 1 for _, n in p)]
+    assert len(decoding) >= 18
+    riding = [sum(1 for prio, _ in p if prio == 1) for p in decoding]
+    # steps with the latency call decode it alone, but for every 6th: the whole batch
+    assert set(riding) <= {0, 8}, riding
+    assert 0 < riding.count(8) <= len(with_urgent) // 6 + 1
     _, _, quiet_bulk, _ = asyncio.run(go(False))
     assert bulk_tokens == quiet_bulk
+
+
+def test_a_latency_calls_next_request_is_in_the_step_after_its_last_one(
+    tiny_model_dir, monkeypatch
+):
+    """A latency call awaits its prefix's fill, then fills its own fork, then generates: each
+    next request makes the step right after the one that ended the last (the loop lets the
+    caller run before planning), so no step of throughput work alone comes between."""
+    from parrot_backend.engine import step_loop
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=256, progress=False)
+        plans: list[set[int]] = []
+        schedule = engine.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            if out[0]:
+                plans.append({w.req.priority for w in out[0]})
+            return out
+
+        engine.scheduler.schedule = spy
+        log: list[str] = []
+        async with engine:
+            bulk = asyncio.create_task(_gen(engine, "bulk", _prompt(12, 3), LONG, 1, log))
+            while len(log) < 2:  # the throughput request is decoding
+                await asyncio.sleep(0.001)
+            start = len(plans)
+            await engine.fill("prefix", None, _prompt(20, 4), priority=0)
+            await engine.fill("call", "prefix", _prompt(6, 5), priority=0)
+            tokens = [
+                d.token_id
+                async for d in engine.generate("call", None, SHORT, priority=0)
+                if d.token_id is not None
+            ]
+            end = len(plans)
+            await bulk
+        return plans[start:end], tokens
+
+    plans, tokens = asyncio.run(go())
+    assert len(tokens) == 3
+    # fill, fork fill, 3 sampled tokens (the first from the fill's kept state): every step
+    # from the first fill to the last token has the latency call in it
+    assert plans and all(0 in p for p in plans), plans
+    monkeypatch.setattr(step_loop, "YIELDS_AFTER_END", 0)
+    plans, _ = asyncio.run(go())
+    assert any(0 not in p for p in plans), plans  # without the yield a step slips in

@@ -29,8 +29,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA (when installed)
     threads: int | None = None  # CPU threads of torch ops; None: chosen by measuring steps
     # tokens per step of less urgent work while more urgent work runs (plus a quarter of
-    # the urgent tokens in the step), and every how many such steps it runs uncapped (0:
-    # never); None: by device (`pick_background`)
+    # the urgent tokens in the step), and every how many such steps it gets an eighth of
+    # the step budget (0: never); None: by device (`pick_background`)
     background_tokens: int | None = None
     background_every: int | None = None
 
@@ -76,10 +76,10 @@ def pick_background(config: EngineConfig, device: torch.device) -> tuple[int, in
     """(background_tokens, background_every): how much less urgent work a step carries
     beside more urgent work (`engine/scheduler.py`). On a CPU the first extra row of a
     decode step is the dear one (SmolLM2-135M, fp32, 2 cores: 1 row ~65 ms, 5 rows
-    ~125 ms, 12 rows ~160 ms), so nothing rides along and the background runs in full
-    every 6th step (a latency call's steps then average ~1.25x their idle time); on a
-    GPU extra rows are nearly free until a step holds hundreds of tokens: an eighth of
-    the step budget every step."""
+    ~125 ms, 12 rows ~160 ms), so nothing rides along and the background gets an
+    eighth of the step budget every 6th step (a latency call's steps then average
+    ~1.25x their idle time); on a GPU extra rows are nearly free until a step holds
+    hundreds of tokens: an eighth of the step budget every step."""
     for name in ("background_tokens", "background_every"):
         value = getattr(config, name)
         if value is not None and value < 0:

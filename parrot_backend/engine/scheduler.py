@@ -4,15 +4,16 @@ Each step takes every running decode (one token each), then prefill chunks, unde
 token budget (chunked prefill). While a more urgent request (a lower `priority`) runs,
 decoding or prefilling, the less urgent ones share `background_tokens` per step plus a
 quarter of the urgent work's tokens in that step: their decode rows count one token each,
-their prefill its chunk; and every `background_every`-th such step (0: never) they run
-uncapped. A step's time grows with its tokens, so without the cap a latency call's every
-token waits for a full batch of throughput decodes and a chunk of throughput prefill. On a
-GPU extra rows are nearly free up to hundreds of tokens: a share each step suits it. On a
-CPU the first extra row is the dear one (SmolLM2-135M, 2 cores: a decode step of 1 row
-~65 ms, 5 rows ~125 ms, 12 rows ~160 ms; the matmuls leave their matrix-vector path), so
-there the share is 0 and the background runs in full every 6th step: a latency call's
-steps average ~1.25x their idle time and the throughput work still moves (defaults by
-device: `EngineConfig.background_tokens` / `background_every`).
+their prefill its chunk; and every `background_every`-th such step (0: never) they get
+an eighth of the step budget. A step's time grows with its tokens, so without the cap a
+latency call's every token waits for a full batch of throughput decodes and a chunk of
+throughput prefill. On a GPU extra rows are nearly free up to hundreds of tokens: a share
+each step suits it. On a CPU the first extra row is the dear one (SmolLM2-135M, 2 cores:
+a decode step of 1 row ~65 ms, 5 rows ~125 ms, 12 rows ~160 ms; the matmuls leave their
+matrix-vector path), so there the share is 0 and the background gets an eighth of the
+budget every 6th step: a latency call's steps average ~1.25x their idle time and the
+throughput work still moves (defaults by device: `EngineConfig.background_tokens` /
+`background_every`).
 Waiting requests are admitted by priority, then arrival.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
@@ -118,7 +119,9 @@ class Scheduler:
             background = self.background_tokens + min(urgent_tokens, budget) // 4
             self.urgent_steps += 1
             if self.background_every and self.urgent_steps % self.background_every == 0:
-                background = budget  # the background's turn: uncapped this step
+                # the background's turn: all its decode rows, prefill in a small chunk (a
+                # full chunk on a CPU is a ~1 s step, measured: the latency call waits it)
+                background = max(background, self.max_batched_tokens // 8)
         else:
             urgent = None
         for req in order:

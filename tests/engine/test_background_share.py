@@ -125,7 +125,7 @@ def test_a_skipped_throughput_decode_keeps_its_state():
     assert _plan(s) == {"b": 1}
 
 
-def test_every_nth_urgent_step_the_background_runs_uncapped():
+def test_every_nth_urgent_step_the_background_gets_an_eighth_of_the_budget():
     s = _scheduler(background=0, every=3)
     bulk = [_add(s, f"b{i}", 20, 1) for i in range(5)]
     chat = _add(s, "chat", 20, 0)
@@ -142,6 +142,13 @@ def test_every_nth_urgent_step_the_background_runs_uncapped():
                 r.ctx.num_computed += 1
                 r.ctx.tokens.append(7)
     assert riding == [0, 0, 5, 0, 0, 5]
+    # a prefill in the background's turn: an eighth of the budget, not a whole chunk
+    s = _scheduler(background=0, every=1, budget=512)
+    chat = _add(s, "chat", 20, 0)
+    _add(s, "fill", 600, 1, kind="fill")
+    s._admit()
+    _decoding(s, chat)
+    assert _plan(s) == {"chat": 1, "fill": 64}
 
 
 def test_the_defaults_are_picked_by_device():

@@ -73,6 +73,33 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="turn off the engine's token-level prefix cache (contexts forked from a "
         "shared prefix still share its KV)",
     )
+    p.add_argument(
+        "--background-tokens",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="tokens of less urgent (throughput) work a step carries beside more urgent "
+        "work, plus a quarter of the urgent tokens (default: 0 on CPU, an eighth of the "
+        "step budget on CUDA; docs/engine.md, Batching)",
+    )
+    p.add_argument(
+        "--background-every",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="every N-th step beside more urgent work, less urgent work gets an eighth of "
+        "the step budget; 0: never (default: 6 on CPU, 0 on CUDA)",
+    )
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def load_engine(args: argparse.Namespace) -> Engine:
@@ -85,6 +112,8 @@ def load_engine(args: argparse.Namespace) -> Engine:
         device=args.device,
         num_blocks=args.num_blocks,
         prefix_cache=not args.no_prefix_cache,
+        background_tokens=args.background_tokens,
+        background_every=args.background_every,
     )
 
 

@@ -25,3 +25,17 @@ def test_no_prefix_cache_turns_the_engines_token_cache_off(tiny_model_dir, comma
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
 def test_the_token_cache_is_on_by_default(tiny_model_dir, command) -> None:
     assert _load(tiny_model_dir, command).stats_now().prefix_cache_enabled is True
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_background_flags_reach_the_scheduler(tiny_model_dir, command) -> None:
+    s = _load(tiny_model_dir, command, "--background-tokens", "12", "--background-every", "0")
+    assert (s.scheduler.background_tokens, s.scheduler.background_every) == (12, 0)
+    s = _load(tiny_model_dir, command).scheduler  # the CPU defaults
+    assert (s.background_tokens, s.background_every) == (0, 6)
+
+
+def test_a_negative_background_flag_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--background-every", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err

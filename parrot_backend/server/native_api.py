@@ -259,14 +259,10 @@ async def wait_value(
     perf: Literal["latency", "throughput"] | None,
     timeout: float,
 ) -> str:
-    """`Manager.get`, working around a race in it: a `get` that changes the run's waits
-    awaits the objective deduction (and its listeners) before it registers its future,
-    and a value set meanwhile never resolves that future. A first `get` with no time
-    registers the wait; the second re-checks the values before waiting."""
-    try:
-        return await rt.manager.get(run_id, name, perf=perf, timeout=0)
-    except TimeoutError:
-        return await rt.manager.get(run_id, name, perf=perf, timeout=timeout)
+    """The variable's value from the manager (`Manager.get`), waiting up to `timeout`
+    seconds. One `get` is enough: it registers its wait before it awaits the objective
+    deduction (and its listeners), so a value set meanwhile resolves it."""
+    return await rt.manager.get(run_id, name, perf=perf, timeout=timeout)
 
 
 STORE_POLL_S = 0.2  # how often a server polls the store for a run another server runs

@@ -78,3 +78,24 @@ async def test_outputs_stated_with_added_calls_stand_too(tmp_path) -> None:
     priorities, _, detail = await _poll_while_a_runs(tmp_path, {}, {}, {"z": "throughput"})
     assert priorities == [1, 1]
     assert detail == ["throughput", "throughput"]
+
+
+async def test_a_poll_with_perf_gets_a_value_set_while_its_deduction_waits(tmp_path) -> None:
+    """`z`'s value is being recorded (a slow listener holds the run's event lock) when a
+    poll with `perf` changes the objectives: the poll's deduction waits for that lock, and
+    the value, set meanwhile, still answers the poll (one `Manager.get` does it)."""
+    recording = asyncio.Event()
+
+    class SlowToRecordZ:
+        async def on_event(self, run_id: str, type: str, payload: dict) -> None:
+            if type == "variable_ready" and payload["name"] == "z":
+                recording.set()
+                await asyncio.sleep(0.3)
+
+    async with native_app(tmp_path) as (c, rt):
+        rt.manager.listeners.append(SlowToRecordZ())
+        body = run_body(*CHAIN, inputs={"x": "go"}, outputs={"z": "throughput"})
+        rid = (await c.post("/v1/runs", json=body)).json()["run_id"]
+        await asyncio.wait_for(recording.wait(), 10)
+        r = await c.get(f"/v1/runs/{rid}/variables/z", params={"perf": "latency", "timeout": 3})
+    assert r.status_code == 200 and r.json()["value"] == "<<go>>", r.text

@@ -32,6 +32,7 @@ from .context_tree import ContextTree
 from .detokenizer import Detokenizer
 from .grammar import GrammarCompiler
 from .loading import eos_ids, load, pool_blocks
+from .models.linear import pick_linear
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -73,6 +74,8 @@ class Engine(StepLoop):
         self.special_token_ids = special_token_ids(tokenizer)
         num_blocks = config.num_blocks or pool_blocks(model_config, config, dtype, device)
         self.pool = BlockPool(num_blocks, config.block_size, prefix_cache=config.prefix_cache)
+        self.linear = pick_linear(config.linear, device, dtype)
+        model.use_linear(self.linear)
         backend = make_backend(pick_backend(config.attention_backend, device))
         self.runner = ModelRunner(
             model,

@@ -74,6 +74,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "shared prefix still share its KV)",
     )
     p.add_argument(
+        "--linear",
+        choices=("auto", "onednn", "torch"),
+        default="auto",
+        help="matmul of the model's projections: onednn (oneDNN's inner product, much "
+        "faster than PyTorch's default on a CPU beyond one row) or torch (F.linear); "
+        "auto: onednn on a CPU in float32, torch elsewhere",
+    )
+    p.add_argument(
         "--background-tokens",
         type=_non_negative,
         default=None,
@@ -114,6 +122,7 @@ def load_engine(args: argparse.Namespace) -> Engine:
         prefix_cache=not args.no_prefix_cache,
         background_tokens=args.background_tokens,
         background_every=args.background_every,
+        linear=args.linear,
     )
 
 

@@ -39,3 +39,15 @@ def test_a_negative_background_flag_is_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--background-every", "-1"])
     assert "must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_linear_flag_reaches_the_model(tiny_model_dir, command) -> None:
+    engine = _load(tiny_model_dir, command, "--linear", "torch")
+    assert engine.linear == engine.runner.model.linear == "torch"
+
+
+def test_an_unknown_linear_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--linear", "mkl"])
+    assert "invalid choice: 'mkl'" in capsys.readouterr().err

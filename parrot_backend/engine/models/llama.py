@@ -16,6 +16,16 @@ from torch.nn import functional as F
 from parrot_backend.contract.errors import UnsupportedModel
 
 from ..attention import AttentionBackend, AttentionMetadata
+from .linear import linear_function, torch_linear
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose matmul the model picks once (`use_linear`, `models/linear.py`)."""
+
+    fn = staticmethod(torch_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -107,10 +117,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(
             self.num_heads * self.head_dim, h, bias=getattr(config, "o_proj_bias", False)
         )
         self.qk_norm = getattr(config, "model_type", "") == "qwen3"
@@ -125,7 +135,7 @@ class Attention(nn.Module):
         b = None
         if self.q_proj.bias is not None:
             b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype
         )
         self.qkv_proj.weight = nn.Parameter(w, requires_grad=False)
@@ -159,14 +169,14 @@ class MLP(nn.Module):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
     def fuse(self) -> None:
         """Merge gate and up projections into one matmul."""
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype
         )
         self.gate_up_proj.weight = nn.Parameter(w, requires_grad=False)
@@ -223,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, max_positions)
         self.tie = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.linear = "torch"
+        self._linear_fn = torch_linear
 
     def forward(
         self,
@@ -240,7 +252,17 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.use_linear(self.linear)  # the fused projections are new modules
+
+    def use_linear(self, kind: str) -> None:
+        """Run every projection and the LM head on `kind`'s matmul (`torch` or `onednn`,
+        as `models/linear.py: pick_linear` chose)."""
+        fn = linear_function(kind)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.fn = fn
+        self.linear, self._linear_fn = kind, fn
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self._linear_fn(hidden, weight).float()

@@ -1,0 +1,99 @@
+"""The model's matmul (`engine/models/linear.py`): oneDNN's linear agrees with F.linear, in
+logits against transformers, in greedy generation, and on the real SmolLM2; the choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.models.linear import onednn_problem, pick_linear
+
+from .helpers import complete, run
+from .test_model_logits import _reference, _step_logits
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    onednn_problem(torch.float32) is not None, reason="no oneDNN linear in this build"
+)
+
+
+@needs_onednn
+def test_auto_picks_onednn_on_a_cpu_in_float32_only() -> None:
+    assert pick_linear("auto", CPU, torch.float32) == "onednn"
+    assert pick_linear("auto", CPU, torch.bfloat16) == "torch"  # F.linear is oneDNN there
+    assert pick_linear("auto", CPU, torch.float16) == "torch"
+    assert pick_linear("auto", torch.device("cuda"), torch.float32) == "torch"
+    assert pick_linear("torch", CPU, torch.float32) == "torch"
+    assert pick_linear("onednn", CPU, torch.bfloat16) == "onednn"
+
+
+def test_impossible_or_unknown_choices_are_refused() -> None:
+    with pytest.raises(ValueError, match="no torch.float16 kernel"):
+        pick_linear("onednn", CPU, torch.float16)
+    with pytest.raises(ValueError, match="CPU only"):
+        pick_linear("onednn", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="unknown linear 'mkl'"):
+        pick_linear("mkl", CPU, torch.float32)
+
+
+@needs_onednn
+def test_the_engine_runs_every_projection_on_the_chosen_matmul(tiny_model_dir) -> None:
+    for kind in ("onednn", "torch"):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=16, linear=kind, progress=False)
+        assert engine.linear == engine.runner.model.linear == kind
+        fns = {
+            m.fn.__name__ for m in engine.runner.model.modules() if isinstance(m, torch.nn.Linear)
+        }
+        assert fns == {f"{kind}_linear"}
+    default = Engine.from_pretrained(tiny_model_dir, num_blocks=16, progress=False)
+    assert default.linear == "onednn"
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["onednn", "torch"])
+def test_prefill_and_decode_logits_match_transformers(tiny_model_dir, kind) -> None:
+    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=64, linear=kind, progress=False)
+    ref = _reference(tiny_model_dir)
+    ids = torch.randint(3, engine.vocab_size, (30,), generator=torch.Generator().manual_seed(3))
+    prefill = _step_logits(engine, "a", ids[:20].tolist())
+    decode = torch.stack([_step_logits(engine, "a", [t])[0] for t in ids[20:].tolist()])
+    with torch.no_grad():
+        theirs = ref(ids.unsqueeze(0)).logits[0]
+    torch.testing.assert_close(prefill, theirs[:20], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode, theirs[20:], atol=1e-4, rtol=1e-4)
+
+
+@needs_onednn
+def test_greedy_batches_generate_the_same_tokens_on_both(tiny_model_dir) -> None:
+    prompts = [
+        torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (5, 17, 33, 9)
+    ]
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def generate(kind: str) -> list[list[int]]:
+        import asyncio
+
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=64, linear=kind, progress=False)
+        async with engine:
+            return await asyncio.gather(
+                *(complete(engine, f"p{i}", p, sampling) for i, p in enumerate(prompts))
+            )
+
+    assert run(generate("onednn")) == run(generate("torch"))
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_smollm2_logits_on_onednn_match_transformers(smollm2_dir) -> None:
+    engine = Engine.from_pretrained(smollm2_dir, num_blocks=32, linear="onednn", progress=False)
+    ref = _reference(smollm2_dir)
+    ids = engine.tokenize("Parrot shares a prompt's prefix once, and serves every call after.")
+    prefill = _step_logits(engine, "a", ids[:-4])
+    decode = torch.stack([_step_logits(engine, "a", [t])[0] for t in ids[-4:]])
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill, theirs[: len(ids) - 4], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(decode, theirs[len(ids) - 4 :], atol=2e-3, rtol=2e-3)

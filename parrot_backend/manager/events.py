@@ -10,7 +10,10 @@ Event types and payloads (all JSON-ready):
 
 - `run_created`     {"program": ProgramSpec dict, "inputs", "outputs", "open", "tenant"}
 - `calls_added`     {"calls": [CallSpec dicts, every call named]}
-- `objectives`      {"calls": {call: {"objective": "latency"|"throughput", "group": int|None}}}
+- `objectives`      {"calls": {call: {"objective": "latency"|"throughput", "group": int|None}},
+                     "waits": {variable: criterion}, "stated": bool} (waits beyond the
+                     run's outputs: added calls' outputs, `get(perf=...)`; `stated`: a
+                     client stated a criterion. Emitted when either part changes.)
 - `run_closed`      {}
 - `call_started`    {"call", "engine", "objective", "group", "prefix_tokens"}
 - `token`           {"call", "variable", "text", "token_id"}

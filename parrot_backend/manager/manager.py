@@ -206,13 +206,18 @@ class Manager:
         salt: str | None = None,
         run_id: str | None = None,
         known: Mapping[str, str] | None = None,
+        waits: Mapping[str, Criterion] | None = None,
+        stated: bool = False,
     ) -> str:
         """Start a run; returns its id. Ready calls start at once.
 
         `salt` (server-derived, per tenant) keys the run's prefixes unless the program is
         public; without it the tenant name separates tenants. `run_id` lets a store choose
         the id. `known` gives generated values recovered from a store: calls whose outputs
-        are all known do not run again. Raises ProgramError (bad program or inputs).
+        are all known do not run again. `waits` and `stated` are a recovered run's waits
+        beyond its outputs (added calls' outputs, `get`s with perf) and whether a client
+        stated a criterion (the `objectives` events tell both). Raises ProgramError (bad
+        program or inputs).
         """
         program, program_json = self.builder.build(spec)  # both read-only (shared)
         run_id = run_id or os.urandom(16).hex()  # 128 random bits, as uuid4().hex
@@ -239,7 +244,8 @@ class Manager:
             run_id, program, tenant, key_salt, spec.open, dict(spec.outputs), EventLog(run_id)
         )
         run.calls = {name: CallStatus("waiting") for name in program.calls}
-        run.stated = bool(spec.outputs)
+        run.waits = dict(waits or {})
+        run.stated = bool(spec.outputs) or stated
         self.runs[run_id] = run
         payload = {
             "program": program_json,
@@ -301,11 +307,14 @@ class Manager:
             raise
         for call in built:
             run.calls[call.name] = CallStatus("waiting")
+        changed = False
         for name, perf in (waits or {}).items():
+            changed = changed or not run.stated
             run.stated = True
-            if run.waits.get(name) != "latency":
+            if run.criterion(name) not in ("latency", perf):  # latency stays
                 run.waits[name] = perf
-        await self.transitions.deduce(run)
+                changed = True
+        await self.transitions.deduce(run, waits_changed=changed)
         names = [c.name for c in built]
         for name in names:
             bad = [v for v in run.program.calls[name].inputs if v in run.failed]
@@ -369,13 +378,17 @@ class Manager:
         fut = run.futures.get(name)
         if fut is None:
             fut = run.futures[name] = asyncio.get_running_loop().create_future()
+        changed = False
         if perf is not None:
+            changed = not run.stated
             run.stated = True
         elif not run.stated:
             perf = "latency"
-        if perf is not None and run.waits.get(name) not in ("latency", perf):
+        if perf is not None and run.criterion(name) not in ("latency", perf):
             run.waits[name] = perf
-            await self.transitions.deduce(run)
+            changed = True
+        if changed:
+            await self.transitions.deduce(run, waits_changed=True)
         async with asyncio.timeout(timeout):
             return await asyncio.shield(fut)
 

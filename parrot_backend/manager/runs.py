@@ -132,6 +132,14 @@ class Run:
                     out[name] = crit
         return out
 
+    def criterion(self, name: str) -> Criterion | None:
+        """What clients wait for `name` with so far (a declared output or a wait; latency
+        wins), or None."""
+        declared, waited = self.outputs.get(name), self.waits.get(name)
+        if declared == "latency" or waited == "latency":
+            return "latency"
+        return declared or waited
+
     def objective(self, call: str) -> tuple[Criterion, int | None]:
         """The deduced objective and task group of `call`."""
         if self.deduction is None or call not in self.deduction.calls:

@@ -50,14 +50,16 @@ class RunTransitions:
                 await listener.on_event(run.run_id, type, payload)
             return run.log.append(type, payload)
 
-    async def deduce(self, run: Run) -> None:
-        """Deduce the run's objectives again; emit them if they changed, and give the
-        queued calls theirs."""
+    async def deduce(self, run: Run, waits_changed: bool = False) -> None:
+        """Deduce the run's objectives again; emit them if they changed, or if what they
+        are deduced from did (`waits_changed`: the run's waits or `stated`, which the event
+        carries for a store to resume the run with), and give the queued calls theirs."""
         deduction = deduce_shared(run.program, run.criteria())
         old = run.deduction
         changed = old is None or (old is not deduction and old.calls != deduction.calls)
-        if changed:
-            await self.emit(run, "objectives", {"calls": deduction.as_json()})
+        if changed or waits_changed:
+            payload = {"calls": deduction.as_json(), "waits": dict(run.waits), "stated": run.stated}
+            await self.emit(run, "objectives", payload)
         run.deduction = deduction
         for name, ready in run.queued.items():
             self.queue.set_objective(ready, *run.objective(name))

@@ -239,5 +239,11 @@ class NativeRuntime:
         meta.set_calls(detail.calls)
         self.persister.expect(record.id, meta)
         await self.manager.create_run(
-            spec, tenant=tenant.name, salt=self.salt(tenant.name), run_id=record.id, known=known
+            spec,
+            tenant=tenant.name,
+            salt=self.salt(tenant.name),
+            run_id=record.id,
+            known=known,
+            waits=record.waits,
+            stated=record.stated,
         )

@@ -146,6 +146,8 @@ def run_record(r: Run) -> RunRecord:
         finished_at=r.finished_at,
         replay_of=r.replay_of,
         error=r.error,
+        waits=dict(r.waits or {}),
+        stated=r.stated,
     )
 
 

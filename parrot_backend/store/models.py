@@ -19,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -116,6 +117,11 @@ class Run(Base):
     program: Mapped[dict[str, Any]] = mapped_column(JSONType)
     inputs: Mapped[dict[str, Any]] = mapped_column(JSONType)
     objectives: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    # What clients wait for beyond `objectives` (variable -> criterion: outputs stated with
+    # calls added later, variables polled with `perf`), and whether a client stated any
+    # criterion: the manager deduces objectives from all three (migration 0005)
+    waits: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    stated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     status: Mapped[str] = mapped_column(String(16), default="pending")
     open: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

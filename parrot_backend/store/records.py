@@ -82,6 +82,10 @@ class RunRecord:
     finished_at: datetime | None
     replay_of: str | None
     error: str | None
+    # waits beyond `objectives` (added calls' outputs, polls with perf) and whether a
+    # client stated any criterion: what a resumed run deduces its objectives from too
+    waits: dict[str, Any] = field(default_factory=dict)
+    stated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

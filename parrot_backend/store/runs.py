@@ -348,10 +348,18 @@ class RunsMixin(StoreBase):
         run_id: str,
         plans: Mapping[int, Mapping[str, Any]],
         *,
+        waits: Mapping[str, str] | None = None,
+        stated: bool = False,
         events: Sequence[tuple[str, Any]] = (),
     ) -> int:
         """Record the manager's deductions per call index: ``objective`` and ``task_group``
-        (with ``events`` appended in the same transaction)."""
+        (with ``events`` appended in the same transaction). ``waits``, when given, replace
+        the run's: what clients wait for beyond its objectives (variable -> criterion),
+        with whether a client ``stated`` any criterion; a resumed run deduces from them."""
+        if waits is not None:
+            bad = {k: v for k, v in waits.items() if v not in OBJECTIVES}
+            if bad:
+                raise InvalidRequestError(f"waits must be one of {OBJECTIVES}: {bad}")
         rows = []
         for idx, plan in plans.items():
             if plan.get("objective") not in (None, *OBJECTIVES):
@@ -372,6 +380,12 @@ class RunsMixin(StoreBase):
         with self._conn_write() as c:
             if events:
                 append_in(c, [(run_id, t, p) for t, p in events])
+            if waits is not None:
+                c.execute(
+                    update(_RUNS)
+                    .where(_RUNS.c.id == run_id)
+                    .values(waits=dict(waits), stated=stated)
+                )
             return sum(c.execute(_ANNOTATE, row).rowcount for row in rows)
 
     def set_run_status(

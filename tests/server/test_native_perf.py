@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from parrot_backend.testing.fake_engine import ScriptedEngine
 
 from .native_support import echo, native_app, run_body, sse_events
@@ -99,3 +101,68 @@ async def test_a_poll_with_perf_gets_a_value_set_while_its_deduction_waits(tmp_p
         await asyncio.wait_for(recording.wait(), 10)
         r = await c.get(f"/v1/runs/{rid}/variables/z", params={"perf": "latency", "timeout": 3})
     assert r.status_code == 200 and r.json()["value"] == "<<go>>", r.text
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database(request, tmp_path) -> str:
+    """One database file (SQLite) or a fresh PostgreSQL database, for two servers."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'parrot.db'}"
+    return request.getfixturevalue("pg_database")
+
+
+async def _priorities_after_a_restart(
+    tmp_path, url: str, outputs: dict, added: dict | None, params: dict | None = None
+) -> list[int]:
+    """The engine priorities of `a` and `b` on a second server on the same database. The
+    first stops while `a` runs, after `b` was added with outputs `added` (the run open
+    until then) or `z` was polled with `params`. The second server polls `z` without
+    perf while `a` runs again (as a client's next poll), then reads the run's end from
+    its events (no more polls)."""
+    gate = asyncio.Event()
+    engine = ScriptedEngine(reply=echo, gate=gate)
+    async with native_app(tmp_path, engine=engine, url=url) as (c, _):
+        calls = CHAIN if added is None else CHAIN[:1]
+        body = run_body(*calls, inputs={"x": "go"}, outputs=outputs, open=added is not None)
+        rid = (await c.post("/v1/runs", json=body)).json()["run_id"]
+        while not engine.generations:  # `a` started; the gate holds it
+            await asyncio.sleep(0.01)
+        if added is not None:
+            more = {"calls": [CHAIN[1]], "outputs": added, "close": True}
+            assert (await c.post(f"/v1/runs/{rid}/calls", json=more)).status_code == 200
+        if params is not None:
+            r = await c.get(f"/v1/runs/{rid}/variables/z", params={**params, "timeout": 0.1})
+            assert r.status_code == 408, r.text
+    gate = asyncio.Event()
+    engine = ScriptedEngine(reply=echo, gate=gate)
+    async with native_app(tmp_path, engine=engine, url=url) as (c, rt):
+        assert rt.recovered == [rid]
+        while not engine.generations:  # `a` runs again
+            await asyncio.sleep(0.01)
+        r = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 0.1})
+        assert r.status_code == 408, r.text
+        gate.set()
+        events = sse_events((await c.get(f"/v1/runs/{rid}/events")).text)
+        assert events[-1]["data"]["status"] == "finished", events[-3:]
+    return [g.priority for g in engine.generations]
+
+
+async def test_outputs_stated_with_added_calls_survive_a_restart(tmp_path, database) -> None:
+    priorities = await _priorities_after_a_restart(tmp_path, database, {}, {"z": "latency"})
+    assert priorities == [0, 0]
+
+
+async def test_the_perf_of_a_poll_survives_a_restart(tmp_path, database) -> None:
+    priorities = await _priorities_after_a_restart(
+        tmp_path, database, {"z": "throughput"}, None, {"perf": "latency"}
+    )
+    assert priorities == [0, 0]
+
+
+async def test_a_criterion_stated_with_added_calls_still_stands_after_a_restart(
+    tmp_path, database
+) -> None:
+    """Stated with the added calls, `throughput` stands after the restart too: the poll
+    without perf there does not make the run wait with latency."""
+    priorities = await _priorities_after_a_restart(tmp_path, database, {}, {"z": "throughput"})
+    assert priorities == [1, 1]

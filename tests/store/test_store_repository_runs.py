@@ -164,6 +164,20 @@ def test_run_status_and_recovery_view(store: Store, tenant: int) -> None:
     assert [r.id for r in store.list_runs(tenant, status="cancelled")] == [live]
 
 
+def test_annotated_waits_are_kept_for_a_resumed_run(store: Store, tenant: int) -> None:
+    run = store.create_run(tenant, PROGRAM, chain_calls(2), {"x0": "a"}, {"x1": "throughput"})
+    assert (run.run.waits, run.run.stated) == ({}, False)  # none recorded yet
+    waits = {"x2": "latency", "later": "throughput"}
+    store.annotate_calls(run.run.id, {1: {"objective": "latency"}}, waits=waits, stated=True)
+    store.annotate_calls(run.run.id, {1: {"objective": "latency"}})  # no waits: kept
+    (resume,) = store.unfinished_runs()
+    assert (resume.run.waits, resume.run.stated) == (waits, True)
+    assert resume.run.objectives == {"x1": "throughput"}  # the declared outputs apart
+    assert store.get_run(tenant, run.run.id).run.waits == waits
+    with pytest.raises(InvalidRequestError):
+        store.annotate_calls(run.run.id, {}, waits={"x2": "fast"})
+
+
 def test_program_json_round_trips_with_key_order(store: Store, tenant: int) -> None:
     # A call's outputs are generated in listed order, so key order must survive storage.
     program = {

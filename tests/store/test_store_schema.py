@@ -9,11 +9,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine, func, inspect, select, text
 from sqlalchemy.engine import URL
-from store_helpers import PG_URL
+from store_helpers import PG_URL, chain_calls
 
 from parrot_backend.store import (
     DatabaseUrlError,
@@ -27,7 +28,7 @@ from parrot_backend.store import (
     upgrade,
 )
 from parrot_backend.store import schema as schema_mod
-from parrot_backend.store.models import Base
+from parrot_backend.store.models import Base, CallInput
 
 
 def snapshot(path: Path) -> dict[str, str]:
@@ -53,6 +54,40 @@ def refuse_everywhere(url: str | URL, error: type[StoreError]) -> None:
 
 def _sqlite_url(path: Path) -> str:
     return f"sqlite:///{path}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | URL:
+    """An empty database of each backend."""
+    if request.param == "sqlite":
+        return _sqlite_url(tmp_path / "a.db")
+    return request.getfixturevalue("pg_fresh_schema")
+
+
+def test_migration_0005_keeps_runs_with_their_variables_calls_and_events(fresh_url) -> None:
+    """Runs written before 0005 (down to 0004 and up again, as the server upgrades: foreign
+    keys on) keep what hangs off them, and have no waits recorded."""
+    with Store(fresh_url) as store:
+        tenant, _ = store.create_tenant("acme")
+        detail = store.create_run(
+            tenant.id, {"calls": []}, chain_calls(2), {"x0": "a"}, {"x2": "latency"}
+        )
+        run_id = detail.run.id
+        store.append_event(run_id, "run_created", {})
+    engine = create_engine(fresh_url)
+    with engine.begin() as conn:
+        command.downgrade(schema_mod.alembic_config(conn), "0004_variable_type")
+    engine.dispose()
+    assert upgrade(fresh_url).status == "current"
+    with Store(fresh_url) as store:
+        kept = store.get_run(tenant.id, run_id)
+        assert set(kept.variables) == {"x0", "x1", "x2"}
+        assert [c.name for c in kept.calls] == ["c0", "c1"]
+        assert [e.type for e in store.read_events(tenant.id, run_id)] == ["run_created"]
+        with store._read() as s:
+            assert s.scalar(select(func.count()).select_from(CallInput)) == 2
+        assert kept.run.objectives == {"x2": "latency"}
+        assert (kept.run.waits, kept.run.stated) == ({}, False)
 
 
 def test_migration_creates_exactly_the_models_sqlite(tmp_path: Path) -> None:

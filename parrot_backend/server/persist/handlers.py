@@ -122,9 +122,18 @@ async def on_objectives(
         for name, o in payload["calls"].items()
         if name in idx
     }
-    await p.txn(
-        meta, functools.partial(p.store.annotate_calls, run_id, plans, events=events), single=True
+    # the waits beyond the run's outputs, kept for a resumed run to deduce from: none
+    # recorded while there are none (`stated` then follows from the run's outputs)
+    waits = payload.get("waits") or None
+    work = functools.partial(
+        p.store.annotate_calls,
+        run_id,
+        plans,
+        waits=waits,
+        stated=bool(payload.get("stated")),
+        events=events,
     )
+    await p.txn(meta, work, single=True)
 
 
 async def on_run_closed(

@@ -147,6 +147,7 @@ class RequestRun:
         # Bounded: a slow client backs up into the pumps instead of growing memory.
         self._queue = asyncio.Queue(maxsize=64 * self.n)
         self._live = self.n
+        self.metrics.choice_fork_tokens.inc(self.n * self.prompt_tokens)  # each forks it
         for i, child in enumerate(self.child_ids):
             self._tasks.append(asyncio.create_task(self._pump(i, child)))
 

@@ -142,6 +142,13 @@ class ServerMetrics:
         self.prompt_tokens = Counter(
             "parrot_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )
+        # the request-level sibling of the manager's parrot_manager_prefix_fork_tokens
+        self.choice_fork_tokens = Counter(
+            "parrot_choice_fork_tokens",
+            "Prompt tokens the choices of n > 1 requests forked from their prompt's "
+            "context, not computed",
+            registry=r,
+        )
         self.tokens_generated = _Count()  # of OpenAI-compatible requests
         self._tokens = _TokensCollector(self.tokens_generated)
         r.register(self._tokens)

@@ -86,6 +86,29 @@ async def test_metrics_count_tokens_computed_and_prompt_tokens_forked(tiny_model
     assert prefill == prefix.n_tokens + prompts - forked - stats.prefix_cache_hits
 
 
+async def test_metrics_count_the_prompt_tokens_n_choices_fork(tiny_model_dir, tmp_path):
+    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=256, progress=False)
+    request = {"prompt": SYSTEM + "Question: Can owls swim?", "max_tokens": 4, "n": 3}
+    await engine.start()
+    try:
+        async with native_app(tmp_path, engine=engine) as (c, _):
+            before = (await c.get("/metrics")).text
+            assert _value(before, "parrot_choice_fork_tokens_total") == 0
+            r = await c.post("/v1/completions", json={"model": engine.model_name, **request})
+            assert r.status_code == 200, r.text
+            after = (await c.get("/metrics")).text
+            stats = engine.stats_now()
+    finally:
+        await engine.stop()
+    usage = r.json()["usage"]
+    assert len(r.json()["choices"]) == 3 and usage["prompt_tokens"] > 10
+    # the prompt is filled once; each of the three choices forks its context
+    forked = _value(after, "parrot_choice_fork_tokens_total")
+    assert forked == 3 * usage["prompt_tokens"]
+    assert stats.tokens_computed <= usage["prompt_tokens"] + usage["completion_tokens"]
+    assert _value(after, "parrot_manager_prefix_fork_tokens_total") == 0  # no native run
+
+
 async def test_prefill_tokens_are_exported_when_the_engine_counts_them():
     counted, uncounted = FakeEngine(), FakeEngine()
 

@@ -110,6 +110,7 @@ class CallRunner:
         self.tokenize = tokenize
         self.owned: list[_Ctx] = []
         self.tokens = 0  # tokens generated (every delta carrying a token id)
+        self.output_tokens: dict[str, int] = {}  # output -> tokens generated for it
         self.finishes: dict[str, str | None] = {}  # output -> why its generation ended
 
     async def run(
@@ -151,6 +152,7 @@ class CallRunner:
         target.created = True
         parts: list[str] = []
         finish = None
+        before = self.tokens
         try:  # what contextlib.aclosing does, without its objects and awaits
             async for delta in stream:
                 if delta.token_id is not None:
@@ -163,6 +165,7 @@ class CallRunner:
             await stream.aclose()  # (a stream that ran to its end has nothing to close)
             raise
         value = "".join(parts)
+        self.output_tokens[step.output] = self.tokens - before
         self.finishes[step.output] = finish
         await on_value(step, value)
         if fork and finish == "stop":
@@ -255,6 +258,7 @@ async def run_call(
             "call": name,
             "prompt_tokens": len(r.plan.prompt),
             "completion_tokens": runner.tokens,
+            "output_tokens": runner.output_tokens,
             "finish_reasons": runner.finishes,
         }
     except asyncio.CancelledError:

@@ -19,7 +19,10 @@ Event types and payloads (all JSON-ready):
 - `token`           {"call", "variable", "text", "token_id"}
 - `variable_ready`  {"name", "value", "source": "input"|"call", "call": str|None}
 - `variable_failed` {"name", "error"}
-- `call_finished`   {"call"}
+- `call_finished`   {"call", "prompt_tokens", "completion_tokens", "output_tokens":
+                     {output: completion tokens}, "finish_reasons": {output: reason}}
+                     (a store that settles a call whose end was lost logs one of its
+                     own: {"call", "recovered": true})
 - `call_failed`     {"call", "error"}
 - `run_finished`    {"status": "finished"|"failed"|"cancelled"}
 """

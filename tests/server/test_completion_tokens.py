@@ -60,3 +60,22 @@ async def test_openai_usage_and_run_detail_both_count_the_eos(eos_after_some_tok
     assert detail["variables"]["y"]["value"] == whole["choices"][0]["text"]
     assert finished["finish_reasons"] == {"y": "stop"}
     assert detail["calls"][0]["completion_tokens"] == finished["completion_tokens"] == k
+
+
+async def test_call_finished_counts_each_outputs_completion_tokens(eos_after_some_tokens, tmp_path):
+    """A call's completion tokens per output (what the web page shows per variable): the
+    first output stops at its max_tokens (before the EOS); the two add up to the call's."""
+    engine, _ = eos_after_some_tokens
+    call = {"name": "c", "template": PROMPT + "{{output:y}} and then {{output:w}}"}
+    call["outputs"] = {
+        "y": {"max_tokens": 2, "temperature": 0},
+        "w": {"max_tokens": 3, "temperature": 0},
+    }
+    async with native_app(tmp_path, engine=engine) as (c, _):
+        rid = (await c.post("/v1/runs", json=run_body(call))).json()["run_id"]
+        events = sse_events((await c.get(f"/v1/runs/{rid}/events")).text)
+    [finished] = [e["data"] for e in events if e["event"] == "call_finished"]
+    assert finished["finish_reasons"]["y"] == "length"
+    assert finished["output_tokens"]["y"] == 2
+    assert 1 <= finished["output_tokens"]["w"] <= 3
+    assert sum(finished["output_tokens"].values()) == finished["completion_tokens"]

@@ -44,7 +44,9 @@ export class RunView {
     this.programCalls = [];
     this.producer = new Map();
     this.starts = new Map();  // call -> call_started events seen (more: it ran again)
-    this.vars = new Map();  // name -> {card, text (Text node), count, status, streamed[]}
+    // name -> {card, text (Text node), count (token events; the completion tokens once
+    // its call finished), status, streamed[]}
+    this.vars = new Map();
     this.pending = new Map();  // name -> [token texts not yet on screen]
     this.frame = 0;
     this.status = runId ? "pending" : "";
@@ -142,6 +144,7 @@ export class RunView {
         break;
       case "call_finished":
         this.dag.setCall(data.call, { state: "done" });
+        this._completionTokens(data);
         break;
       case "call_failed":
         this.dag.setCall(data.call, { state: "failed", error: data.error });
@@ -185,6 +188,25 @@ export class RunView {
     }
     queue.push(text);
     if (!this.frame) this.frame = requestAnimationFrame(() => this.flush());
+  }
+
+  // A finished call's completion tokens per output replace the count of its token
+  // events: tokens that carry no text (the EOS, a stop string's) have no event.
+  _completionTokens(data) {
+    let counts = data.output_tokens;
+    if (!counts) {  // an end logged without them (older, or settled by recovery)
+      const call = this.calls.find((c) => c.name === data.call);
+      if (!call || call.outputs.length !== 1 || typeof data.completion_tokens !== "number") {
+        return;
+      }
+      counts = { [call.outputs[0]]: data.completion_tokens };
+    }
+    for (const [name, n] of Object.entries(counts)) {
+      const v = this._variable(name);
+      this._flushOne(name);
+      v.count = n;
+      v.countEl.textContent = `${n} tokens`;
+    }
   }
 
   _flushOne(name) {

@@ -195,10 +195,15 @@ def _upgrade(parsed: URL) -> SchemaState:
     engine = make_engine(parsed, pool_size=1)
     try:
         with engine.connect().execution_options(**{WRITE_OPTION: True}) as conn:
-            with conn.begin():
-                if conn.dialect.name == "postgresql":
+            if conn.dialect.name == "postgresql":
+                with conn.begin():
                     # Two servers starting together: the second waits, then finds head.
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_UPGRADE_LOCK})
+                    command.upgrade(alembic_config(conn), "head")
+            else:
+                # SQLite: handed over outside a transaction, so that migrations/env.py can
+                # turn foreign keys off (a no-op inside one) before it begins the transaction
+                # (BEGIN IMMEDIATE: this connection writes) and commits it.
                 command.upgrade(alembic_config(conn), "head")
     except DBAPIError as exc:
         raise _classify(parsed, exc) from exc

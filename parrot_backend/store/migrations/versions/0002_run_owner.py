@@ -25,6 +25,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # SQLite: dropping columns recreates `runs`; env.py turns foreign keys off around it, or
+    # dropping the old table would delete every run's variables, calls and events with it.
     with op.batch_alter_table("runs") as batch:
         batch.drop_column("owner_lease_expires_at")
         batch.drop_column("owner")

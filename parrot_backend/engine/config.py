@@ -36,6 +36,9 @@ class EngineConfig:
     # the step budget (0: never); None: by device (`pick_background`)
     background_tokens: int | None = None
     background_every: int | None = None
+    # seconds after a request ends during which less urgent work keeps to that eighth per
+    # step (the next call of a latency chain is likely on its way); 0: off
+    urgent_linger: float = 0.25
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,12 +80,14 @@ def pick_backend(name: str, device: torch.device) -> str:
 
 def pick_background(config: EngineConfig, device: torch.device) -> tuple[int, int]:
     """(background_tokens, background_every): how much less urgent work a step carries
-    beside more urgent work (`engine/scheduler.py`). On a CPU the first extra row of a
-    decode step is the dear one (SmolLM2-135M, fp32, 2 cores: 1 row ~65 ms, 5 rows
-    ~125 ms, 12 rows ~160 ms), so nothing rides along and the background gets an
-    eighth of the step budget every 6th step (a latency call's steps then average
-    ~1.25x their idle time); on a GPU extra rows are nearly free until a step holds
-    hundreds of tokens: an eighth of the step budget every step."""
+    beside more urgent work (`engine/scheduler.py`). On a CPU extra rows are not free
+    (SmolLM2-135M, fp32, 2 cores, oneDNN's linear: a decode step of 1 row ~36 ms,
+    5 rows ~50 ms, 12 rows ~80 ms; with F.linear 65 / 125 / 160 ms), so nothing rides
+    along and the background gets an eighth of the step budget every 6th step (a
+    latency call's steps then average ~1.25x their idle time; riding along or a turn
+    every 3rd-4th step measured worse for the chain, `benchmarks/README.md`); on a GPU
+    extra rows are nearly free until a step holds hundreds of tokens: an eighth of the
+    step budget every step."""
     for name in ("background_tokens", "background_every"):
         value = getattr(config, name)
         if value is not None and value < 0:
@@ -95,3 +100,10 @@ def pick_background(config: EngineConfig, device: torch.device) -> tuple[int, in
     if every is None:
         every = 6 if cpu else 0
     return tokens, every
+
+
+def pick_linger(seconds: float) -> float:
+    """`EngineConfig.urgent_linger`, checked: a finite number of seconds >= 0."""
+    if not (isinstance(seconds, int | float) and 0 <= seconds < float("inf")):
+        raise ValueError(f"urgent_linger must be a finite number of seconds >= 0, got {seconds!r}")
+    return float(seconds)

@@ -26,7 +26,7 @@ from parrot_backend.contract.sampling import Constraint, SamplingParams
 
 from .attention import make_backend
 from .block_pool import BlockPool
-from .config import EngineConfig, pick_backend, pick_background
+from .config import EngineConfig, pick_backend, pick_background, pick_linger
 from .context import Context, Request
 from .context_tree import ContextTree
 from .detokenizer import Detokenizer
@@ -103,6 +103,7 @@ class Engine(StepLoop):
             contexts=self.contexts,
             background_tokens=background[0],
             background_every=background[1],
+            linger=pick_linger(config.urgent_linger),
         )
         self._grammars: GrammarCompiler | None = None  # built by the first constraint
         self._grammars_lock: asyncio.Lock | None = None

@@ -8,12 +8,17 @@ their prefill its chunk; and every `background_every`-th such step (0: never) th
 an eighth of the step budget. A step's time grows with its tokens, so without the cap a
 latency call's every token waits for a full batch of throughput decodes and a chunk of
 throughput prefill. On a GPU extra rows are nearly free up to hundreds of tokens: a share
-each step suits it. On a CPU the first extra row is the dear one (SmolLM2-135M, 2 cores:
-a decode step of 1 row ~65 ms, 5 rows ~125 ms, 12 rows ~160 ms; the matmuls leave their
-matrix-vector path), so there the share is 0 and the background gets an eighth of the
+each step suits it. On a CPU extra rows cost more (SmolLM2-135M, 2 cores, oneDNN's
+linear: a decode step of 1 row ~36 ms, 5 rows ~50 ms, 12 rows ~80 ms), so there the
+share is 0 and the background gets an eighth of the
 budget every 6th step: a latency call's steps average ~1.25x their idle time and the
 throughput work still moves (defaults by device: `EngineConfig.background_tokens` /
 `background_every`).
+When a request ends, for `linger` seconds after (`EngineConfig.urgent_linger`) work less
+urgent than it gets only that turn's eighth of the budget per step: between the calls of
+a latency chain (its value recorded, the next prompt rendered and submitted) the engine
+would otherwise plan a full step of throughput prefill (~0.6 s on a CPU), which the
+chain's next call waits for.
 Waiting requests are admitted by priority, then arrival.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
@@ -23,6 +28,7 @@ request is preempted: its unshared blocks are released and later recomputed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -64,6 +70,8 @@ class Scheduler:
         contexts: dict[Hashable, Context],
         background_tokens: int | None = None,
         background_every: int = 0,
+        linger: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.contexts = contexts  # all live contexts: idle ones' KV is evictable
@@ -74,6 +82,11 @@ class Scheduler:
         self.background_tokens = background_tokens
         self.background_every = background_every
         self.urgent_steps = 0  # steps planned with more and less urgent work both running
+        # seconds after a more urgent request ends during which steps stay as small as
+        # the background's turn: the next call of its chain is likely on its way
+        self.linger = linger
+        self._now = clock
+        self._lingering: tuple[int, float] | None = None  # (priority, until)
         self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -88,6 +101,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.linger > 0:
+            now, last = self._now(), self._lingering
+            if last is None or last[1] <= now or req.priority <= last[0]:
+                self._lingering = (req.priority, now + self.linger)
 
     @property
     def has_work(self) -> bool:
@@ -109,6 +126,12 @@ class Scheduler:
         urgent = min(
             (r.priority for r in order if r.kind == "generate" or r.pending > 0), default=None
         )
+        if self._lingering is not None:
+            priority, until = self._lingering
+            if self._now() >= until:
+                self._lingering = None
+            elif urgent is None or priority < urgent:
+                urgent = priority  # a more urgent request just ended (see `linger`)
         background = 0
         if urgent is not None and any(r.priority > urgent for r in order):
             urgent_tokens = sum(
@@ -118,7 +141,11 @@ class Scheduler:
             )
             background = self.background_tokens + min(urgent_tokens, budget) // 4
             self.urgent_steps += 1
-            if self.background_every and self.urgent_steps % self.background_every == 0:
+            if not urgent_tokens:
+                # lingering, nothing more urgent is here yet: the background's turn, so a
+                # chain's next call waits for a small step at most, not a full one
+                background = max(background, self.max_batched_tokens // 8, 1)
+            elif self.background_every and self.urgent_steps % self.background_every == 0:
                 # the background's turn: all its decode rows, prefill in a small chunk (a
                 # full chunk on a CPU is a ~1 s step, measured: the latency call waits it)
                 background = max(background, self.max_batched_tokens // 8)

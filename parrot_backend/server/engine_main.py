@@ -74,6 +74,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "shared prefix still share its KV)",
     )
     p.add_argument(
+        "--urgent-linger",
+        type=_seconds,
+        default=0.25,
+        metavar="SECONDS",
+        help="after a request ends, less urgent work keeps to the small per-step turn for "
+        "this long, so the next call of a latency chain does not wait for a full step of "
+        "throughput work (default 0.25; 0: off)",
+    )
+    p.add_argument(
         "--linear",
         choices=("auto", "onednn", "torch"),
         default="auto",
@@ -100,6 +109,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -123,6 +142,7 @@ def load_engine(args: argparse.Namespace) -> Engine:
         background_tokens=args.background_tokens,
         background_every=args.background_every,
         linear=args.linear,
+        urgent_linger=args.urgent_linger,
     )
 
 

@@ -51,3 +51,16 @@ def test_an_unknown_linear_is_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--linear", "mkl"])
     assert "invalid choice: 'mkl'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_urgent_linger_reaches_the_scheduler(tiny_model_dir, command) -> None:
+    assert _load(tiny_model_dir, command, "--urgent-linger", "0").scheduler.linger == 0.0
+    assert _load(tiny_model_dir, command).scheduler.linger == 0.25
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "soon"])
+def test_a_bad_urgent_linger_is_refused(capsys, value) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--urgent-linger", value])
+    assert "--urgent-linger" in capsys.readouterr().err

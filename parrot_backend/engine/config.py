@@ -27,8 +27,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     prefix_cache: bool = True
     attention_backend: str = "auto"  # torch on CPU, triton on CUDA (when installed)
-    # matmul of projections and LM head: onednn on CPU in float32 (much faster than
-    # F.linear beyond one row, `models/linear.py`), torch elsewhere; or "torch"/"onednn"
+    # matmul of projections and LM head: onednn (packed weights) on CPU in float32 or
+    # bfloat16 (much faster than F.linear beyond one row, `models/linear.py`), torch
+    # elsewhere; or "torch"/"onednn"
     linear: str = "auto"
     threads: int | None = None  # CPU threads of torch ops; None: chosen by measuring steps
     # tokens per step of less urgent work while more urgent work runs (plus a quarter of

@@ -86,9 +86,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--linear",
         choices=("auto", "onednn", "torch"),
         default="auto",
-        help="matmul of the model's projections: onednn (oneDNN's inner product, much "
-        "faster than PyTorch's default on a CPU beyond one row) or torch (F.linear); "
-        "auto: onednn on a CPU in float32, torch elsewhere",
+        help="matmul of the model's projections: onednn (oneDNN's inner product on weights "
+        "packed once, much faster than PyTorch's default on a CPU beyond one row) or "
+        "torch (F.linear); auto: onednn on a CPU in float32 or bfloat16, torch elsewhere",
     )
     p.add_argument(
         "--background-tokens",

@@ -8,7 +8,13 @@ import torch
 
 from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine
-from parrot_backend.engine.models.linear import onednn_problem, pick_linear
+from parrot_backend.engine.models.linear import (
+    onednn_linear,
+    onednn_problem,
+    pack_weight,
+    pick_linear,
+    unpack_weight,
+)
 
 from .helpers import complete, run
 from .test_model_logits import _reference, _step_logits
@@ -20,9 +26,9 @@ needs_onednn = pytest.mark.skipif(
 
 
 @needs_onednn
-def test_auto_picks_onednn_on_a_cpu_in_float32_only() -> None:
+def test_auto_picks_onednn_on_a_cpu_in_float32_and_bfloat16() -> None:
     assert pick_linear("auto", CPU, torch.float32) == "onednn"
-    assert pick_linear("auto", CPU, torch.bfloat16) == "torch"  # F.linear is oneDNN there
+    assert pick_linear("auto", CPU, torch.bfloat16) == "onednn"
     assert pick_linear("auto", CPU, torch.float16) == "torch"
     assert pick_linear("auto", torch.device("cuda"), torch.float32) == "torch"
     assert pick_linear("torch", CPU, torch.float32) == "torch"
@@ -97,3 +103,55 @@ def test_smollm2_logits_on_onednn_match_transformers(smollm2_dir) -> None:
         theirs = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(prefill, theirs[: len(ids) - 4], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(decode, theirs[len(ids) - 4 :], atol=2e-3, rtol=2e-3)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 70])
+def test_packed_weights_compute_what_plain_ones_do(dtype, rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    packed = pack_weight(w)
+    assert packed.is_mkldnn and not w.is_mkldnn
+    assert pack_weight(packed) is packed  # packing twice does nothing
+    assert torch.equal(unpack_weight(packed), w)  # and unpacking gives the weight back
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        got = onednn_linear(x, packed, b).float()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@needs_onednn
+def test_onednn_holds_packed_weights_and_torch_gets_them_back(tiny_model_dir) -> None:
+    engine = Engine.from_pretrained(tiny_model_dir, num_blocks=16, linear="onednn", progress=False)
+    model = engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    plain = Engine.from_pretrained(tiny_model_dir, num_blocks=16, linear="torch", progress=False)
+    want = {n: p for n, p in plain.runner.model.named_parameters()}
+    model.use_linear("torch")  # back to plain weights, exactly
+    for name, p in model.named_parameters():
+        assert not p.is_mkldnn
+        assert torch.equal(p, want[name]), name
+    model.use_linear("onednn")  # and packed again
+    assert all(m.weight.is_mkldnn for m in linears)
+
+
+@needs_onednn
+def test_bfloat16_logits_on_onednn_match_f_linear(tiny_model_dir) -> None:
+    ids = torch.randint(3, 200, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = {}
+    for kind in ("onednn", "torch"):
+        engine = Engine.from_pretrained(
+            tiny_model_dir, num_blocks=64, linear=kind, dtype="bfloat16", progress=False
+        )
+        assert engine.linear == kind
+        prefill = _step_logits(engine, "a", ids[:18])
+        decode = torch.stack([_step_logits(engine, "a", [t])[0] for t in ids[18:]])
+        logits[kind] = torch.cat([prefill, decode])
+    # both round to bfloat16 after every matmul; they differ by that rounding at most
+    torch.testing.assert_close(logits["onednn"], logits["torch"], atol=0.05, rtol=0.05)
+    assert (logits["onednn"].argmax(-1) == logits["torch"].argmax(-1)).float().mean() >= 0.9

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from parrot_backend.contract.errors import UnsupportedModel
 
 from ..attention import AttentionBackend, AttentionMetadata
-from .linear import linear_function, torch_linear
+from .linear import linear_function, prepare_weight, torch_linear
 
 
 class Linear(nn.Linear):
@@ -236,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.linear = "torch"
         self._linear_fn = torch_linear
+        self._head: torch.Tensor | None = None  # the tied LM head in oneDNN's layout
 
     def forward(
         self,
@@ -256,13 +257,23 @@ class LlamaForCausalLM(nn.Module):
 
     def use_linear(self, kind: str) -> None:
         """Run every projection and the LM head on `kind`'s matmul (`torch` or `onednn`,
-        as `models/linear.py: pick_linear` chose)."""
+        as `models/linear.py: pick_linear` chose), their weights in its layout (oneDNN's
+        packed one: a tied head gets a packed copy of the embeddings)."""
         fn = linear_function(kind)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.fn = fn
+                weight = prepare_weight(kind, module.weight.data)
+                if weight is not module.weight.data:
+                    module.weight = nn.Parameter(weight, requires_grad=False)
+        self._head = None
+        if self.tie and kind == "onednn":
+            self._head = prepare_weight(kind, self.model.embed_tokens.weight.data)
         self.linear, self._linear_fn = kind, fn
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
+        if self._head is not None:
+            weight = self._head
+        else:
+            weight = self.model.embed_tokens.weight if self.tie else self.lm_head.weight
         return self._linear_fn(hidden, weight).float()

@@ -101,7 +101,9 @@ async def start_workflow(
 async def replay_run(
     run_id: RunIdPath, body: ReplayRequest, rt: RuntimeDep, tenant: TenantDep
 ) -> RunCreated:
-    """Run a past run's program again: its inputs, with `inputs` merged over them."""
+    """Run a past run's program again: its inputs, with `inputs` merged over them, and
+    the objectives the past run ended with: the outputs it was created with, and what its
+    client stated after (outputs of calls it added, `perf` of its polls) over them."""
     tenant_id = await rt.tenant_id(tenant)
     try:
         detail = await asyncio.to_thread(rt.store.get_run, tenant_id, run_id)
@@ -115,7 +117,9 @@ async def replay_run(
     unknown = [n for n in body.inputs if n not in given and n not in detail.variables]
     if unknown:
         raise APIError(400, f"run {run_id} has no input(s) {unknown}", code="unknown_variable")
-    spec = _spec(detail.program, {**given, **body.inputs}, dict(detail.run.objectives))
+    stated = {**detail.run.objectives, **detail.run.waits}  # later statements win
+    outputs = {n: c for n, c in stated.items() if n in detail.variables}
+    spec = _spec(detail.program, {**given, **body.inputs}, outputs)
     with client_errors():
         new_id = await rt.create_run(
             tenant, spec, workflow_id=detail.run.workflow_id, replay_of=run_id

@@ -216,6 +216,39 @@ async def test_replay_gives_the_same_outputs_or_new_ones_for_new_inputs(tmp_path
         assert detail["run"]["replay_of"] == rid
 
 
+async def test_replay_states_the_objectives_the_original_ended_with(tmp_path) -> None:
+    """A poll's `perf` stated after creation (a wait, persisted) is an output of the
+    replay too, so the replay deduces the same objectives as the original ended with."""
+    gate = asyncio.Event()
+    engine = ScriptedEngine(reply=echo, gate=gate)
+    async with native_app(tmp_path, engine=engine) as (c, rt):
+        body = run_body(*CHAIN, inputs={"x": "go"}, outputs={"y": "throughput"})
+        rid = (await c.post("/v1/runs", json=body)).json()["run_id"]
+        poll = asyncio.create_task(
+            c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10, "perf": "throughput"})
+        )
+        for _ in range(500):  # the poll registers its wait (the run is held at the gate)
+            if rt.manager.runs[rid].waits.get("z") == "throughput":
+                break
+            await asyncio.sleep(0.01)
+        assert rt.manager.runs[rid].waits == {"z": "throughput"}
+        gate.set()
+        assert (await poll).json()["value"] == "<<go>>"
+        await finished(c, rid)
+        original = (await c.get(f"/v1/runs/{rid}")).json()
+        assert original["run"]["outputs"] == {"y": "throughput"}  # as created
+        replay = (await c.post(f"/v1/runs/{rid}/replay", json={})).json()["run_id"]
+        await finished(c, replay)
+        detail = (await c.get(f"/v1/runs/{replay}")).json()
+        assert detail["run"]["outputs"] == {"y": "throughput", "z": "throughput"}
+        assert [k["objective"] for k in detail["calls"]] == [
+            k["objective"] for k in original["calls"]
+        ]
+        assert {n: v["value"] for n, v in detail["variables"].items()} == {
+            n: v["value"] for n, v in original["variables"].items()
+        }
+
+
 async def test_runs_resume_after_a_restart_without_recomputing(tmp_path) -> None:
     """In-process restart: a runtime stopped mid-run leaves it unfinished in the store; a
     new one on the same database resumes it, keeping the values already there."""

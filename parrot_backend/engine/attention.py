@@ -52,6 +52,14 @@ class AttentionMetadata:
         return self.query_start[i + 1] - self.query_start[i]
 
 
+def gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`flat[slots]` for a cache laid out `[slots, Hkv, D]` and any shape of `slots`, by
+    `index_select`: PyTorch's advanced indexing took 5-20x longer for the same rows on a
+    CPU (8 x 300 slots: 203 vs 36 us; 12 x 1,100: 7.9 vs 0.37 ms)."""
+    rows = flat.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *flat.shape[1:])
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and computes attention for a flat batch."""
 
@@ -139,8 +147,8 @@ class TorchAttention(AttentionBackend):
         if decode:
             rows, slots, mask = self._decode_plan(meta, decode, q.device)
             # [n, L, Hkv, D] -> [n, Hkv, L, D]; SDPA broadcasts KV heads to query heads (GQA)
-            k = flat_k[slots].transpose(1, 2).to(q.dtype)
-            v = flat_v[slots].transpose(1, 2).to(q.dtype)
+            k = gather(flat_k, slots).transpose(1, 2).to(q.dtype)
+            v = gather(flat_v, slots).transpose(1, 2).to(q.dtype)
             qd = (q if out is None else q[rows]).unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(
                 qd, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
@@ -153,8 +161,8 @@ class TorchAttention(AttentionBackend):
             slots, mask = self._prefill_plan(meta, i, q.device)
             # [1, Hkv, L, D]: SDPA takes its fused CPU kernel (with the mask and GQA) only
             # for 4-D inputs; 3-D ones fall back to the math path, ~3x slower at 512 tokens
-            k = flat_k[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            v = flat_v[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            k = gather(flat_k, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            v = gather(flat_v, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1).unsqueeze(0),
                 k,
@@ -185,8 +193,8 @@ class TorchAttention(AttentionBackend):
         blocks = torch.tensor(g.prefix_blocks, dtype=torch.long, device=dev)
         slots = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=dev)).flatten()
         slots = slots[: g.prefix_len]
-        kp = flat_k[slots].permute(1, 2, 0).float()  # [Hkv, D, Lp]
-        vp = flat_v[slots].transpose(0, 1).float()  # [Hkv, Lp, D]
+        kp = gather(flat_k, slots).permute(1, 2, 0).float()  # [Hkv, D, Lp]
+        vp = gather(flat_v, slots).transpose(0, 1).float()  # [Hkv, Lp, D]
         qf = q.float().view(n, hkv, r, d)
         sp = torch.matmul(qf.permute(1, 0, 2, 3).reshape(hkv, n * r, d), kp) * scale
         lse_p = torch.logsumexp(sp, dim=-1)  # [Hkv, G*r]
@@ -202,8 +210,8 @@ class TorchAttention(AttentionBackend):
         valid = torch.arange(width, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [G, Ls]
         idx = (pos // bs).clamp(max=tables.shape[1] - 1).unsqueeze(0).expand(n, -1)
         suffix = (tables.gather(1, idx) * bs + pos % bs).masked_fill(~valid, 0)
-        ks = flat_k[suffix].permute(0, 2, 3, 1).float()  # [G, Hkv, D, Ls]
-        vs = flat_v[suffix].transpose(1, 2).float()  # [G, Hkv, Ls, D]
+        ks = gather(flat_k, suffix).permute(0, 2, 3, 1).float()  # [G, Hkv, D, Ls]
+        vs = gather(flat_v, suffix).transpose(1, 2).float()  # [G, Hkv, Ls, D]
         ss = torch.matmul(qf, ks) * scale  # [G, Hkv, r, Ls]
         ss = ss.masked_fill(~valid[:, None, None, :], float("-inf"))
         lse_s = torch.logsumexp(ss, dim=-1)  # [G, Hkv, r]

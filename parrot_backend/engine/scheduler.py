@@ -244,11 +244,17 @@ class Scheduler:
             ctx.grammar = grammar.fork()  # the parent's grammar state at the fork point
 
     def _match_prefix(self, ctx: Context) -> None:
-        """Take cached full blocks for the next uncomputed part of the context."""
+        """Take cached full blocks for the next uncomputed part of the context.
+
+        Also from inside a block: a fork whose parent ends mid-block holds the parent's
+        partial block, and a cached full block with the same chain hash holds the same
+        KV for those tokens and the fork's next ones, so it replaces the partial one
+        (without this, a program's call forked from an unaligned prefix, as a system
+        prompt rarely is aligned, recomputed its own tokens every time)."""
         bs = self.pool.block_size
-        if not self.pool.prefix_cache or ctx.num_computed % bs:
+        if not self.pool.prefix_cache:
             return
-        while ctx.num_computed + bs <= len(ctx.tokens):
+        while (ctx.num_computed // bs + 1) * bs <= len(ctx.tokens):
             k = ctx.num_computed // bs
             toks = tuple(ctx.tokens[k * bs : (k + 1) * bs])
             block = self.pool.lookup(ctx.block_hash(k), toks)
@@ -259,7 +265,7 @@ class Scheduler:
                 ctx.blocks[k] = block
             else:
                 ctx.blocks.append(block)
-            ctx.num_computed += bs
+            ctx.num_computed = (k + 1) * bs
 
     def _reserve(self, req: Request, start: int, n: int, planned: set[int]) -> bool:
         """Make blocks [start, start + n) writable for this context, preempting if needed."""

@@ -145,6 +145,39 @@ def test_prefix_cache_reuses_blocks_and_can_be_switched_off(tiny_model_dir):
     assert stats_on.tokens_computed < stats_off.tokens_computed
 
 
+def test_a_fork_of_an_unaligned_parent_reuses_cached_blocks(tiny_model_dir):
+    """A fork whose parent ends mid-block (37 tokens, blocks of 16) takes cached full
+    blocks from inside that block on: the second identical fork computes only its tail,
+    and generates what the first one and an engine without the cache generate."""
+    g = torch.Generator().manual_seed(8)
+    parent = torch.randint(3, 49152, (37,), generator=g).tolist()
+    suffix = torch.randint(3, 49152, (60,), generator=g).tolist()
+
+    async def forks(engine):
+        async with engine:
+            await engine.fill("p", None, parent)
+            first = await complete(engine, "a", suffix, GREEDY, parent="p")
+            await engine.free("a")
+            before = engine.stats_now()
+            second = await complete(engine, "b", suffix, GREEDY, parent="p")
+            after = engine.stats_now()
+            return first, second, after.prefix_cache_hits - before.prefix_cache_hits, (
+                after.tokens_computed - before.tokens_computed
+            )
+
+    on = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False)
+    first, second, hits, computed = asyncio.run(forks(on))
+    # blocks 2..5 (tokens 32..95) of the 97-token context: from inside the parent's last
+    # block to the last full one; only the tail (tokens 96-) and the decode are computed
+    assert hits == 64
+    assert computed == 1 + GREEDY.max_tokens - 1  # the tail token, then the decode steps
+    assert first == second
+    off = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False, prefix_cache=False)
+    plain_first, plain_second, plain_hits, plain_computed = asyncio.run(forks(off))
+    assert (plain_first, plain_second) == (first, second) and plain_hits == 0
+    assert plain_computed == len(suffix) + GREEDY.max_tokens - 1
+
+
 def test_prefix_cache_is_salted(tiny_model_dir):
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(6)).tolist()
 

@@ -161,8 +161,11 @@ def test_a_fork_of_an_unaligned_parent_reuses_cached_blocks(tiny_model_dir):
             before = engine.stats_now()
             second = await complete(engine, "b", suffix, GREEDY, parent="p")
             after = engine.stats_now()
-            return first, second, after.prefix_cache_hits - before.prefix_cache_hits, (
-                after.tokens_computed - before.tokens_computed
+            return (
+                first,
+                second,
+                after.prefix_cache_hits - before.prefix_cache_hits,
+                (after.tokens_computed - before.tokens_computed),
             )
 
     on = Engine.from_pretrained(tiny_model_dir, num_blocks=64, progress=False)

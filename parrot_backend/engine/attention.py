@@ -99,12 +99,15 @@ class AttentionBackend(ABC):
         """q: [T, Hq, D] -> [T, Hq, D]; K/V of the new tokens are already stored."""
 
 
-# The torch backend's gate: a group of decode rows reads its common prefix once when it
-# is at least this long and this large. On a 2-core CPU (SmolLM2, benchmarks/
-# shared_decode_cpu.py) the grouped step was 1.6x / 2.6x faster for 8 / 16 forks of a
-# 1,024-token prefix, level (0.93-1.09x) at 256 tokens or 2 forks.
-TORCH_MIN_SHARED_PREFIX_LEN = 256
-TORCH_MIN_SHARED_GROUP_SIZE = 4
+# The torch backend's gate: a group of decode rows reads its common prefix once when the
+# prefix is at least this long and the rows' prefix tokens together (prefix x rows) at
+# least this many. On a 2-core CPU (SmolLM2, benchmarks/shared_decode_cpu.py), once the
+# gather had become cheap (index_select) and the matmuls packed, the grouped step was
+# 0.80-0.95x of the plain one for 4-16 forks of 256-512 tokens and 4 of 768, level at 2
+# forks, and faster from ~6,000 prefix tokens: 8 x 768 1.31x, 16 x 512 1.18x,
+# 16 x 1,024 2.33x, 8 x 2,048 2.47x (before those changes, 256 tokens x 4 rows paid).
+TORCH_MIN_SHARED_PREFIX_LEN = 512
+TORCH_MIN_SHARED_PREFIX_TOKENS = 6144
 
 
 class TorchAttention(AttentionBackend):
@@ -122,7 +125,8 @@ class TorchAttention(AttentionBackend):
 
     def share_prefix(self, prefix_len: int, group_size: int) -> bool:
         return (
-            prefix_len >= TORCH_MIN_SHARED_PREFIX_LEN and group_size >= TORCH_MIN_SHARED_GROUP_SIZE
+            prefix_len >= TORCH_MIN_SHARED_PREFIX_LEN
+            and prefix_len * group_size >= TORCH_MIN_SHARED_PREFIX_TOKENS
         )
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):

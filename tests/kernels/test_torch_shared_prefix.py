@@ -46,8 +46,10 @@ def test_grouped_decode_equals_plain_decode_on_random_shuffled_batches(seed):
     torch.testing.assert_close(shared, plain, atol=2e-5, rtol=2e-5)
 
 
-def test_the_gate_groups_long_prefixes_of_four_or_more_rows():
+def test_the_gate_groups_long_prefixes_read_by_enough_rows():
     backend = TorchAttention()
     assert backend.groups_prefixes
-    assert backend.share_prefix(256, 4) and backend.share_prefix(4096, 16)
-    assert not backend.share_prefix(255, 8) and not backend.share_prefix(1024, 3)
+    assert backend.share_prefix(768, 8) and backend.share_prefix(512, 12)
+    assert backend.share_prefix(4096, 2) and backend.share_prefix(1024, 16)
+    assert not backend.share_prefix(511, 16) and not backend.share_prefix(1024, 4)
+    assert not backend.share_prefix(256, 64) and not backend.share_prefix(2048, 2)

@@ -5,12 +5,16 @@ its cores: when another process keeps one of them busy, every parallel region wa
 its barrier for the team's worker descheduled there, and decode ran 3-5x slower where
 losing one core of two should cost about 2x. No fixed setting wins in both cases, so
 `ThreadTuner` measures: first after a few steps, then every `probe_every_s`, it runs a
-few steps with another thread count and keeps whichever made the work cheaper (time per
-computed token, against recent steps of the same size: a prefill chunk and a decode step
-cost very differently per token). A probe that changes nothing doubles the interval to
-the next (up to `max_probe_every_s`), so a steady machine pays little. A co-located load
-then costs about its share of the cores, and the engine goes back to the whole team once
-the load is gone.
+few steps with another thread count, alternating with the current count step by step,
+and keeps whichever made the work cheaper (time per computed token, compared between
+steps of the same size: a prefill chunk and a decode step cost very differently per
+token). Alternating matters: against the steps *before* a probe, the first decode steps
+after a long prefill (or a noisy spell of the host) made one thread look cheaper on a
+quiet 2-core machine, where it then decoded at 56-66 ms a step instead of 34-37 ms until
+the next probe. A probe that changes nothing doubles the interval to the next (up to
+`max_probe_every_s`), so a steady machine pays little. A co-located load then costs about
+its share of the cores, and the engine goes back to the whole team once the load is
+gone.
 
 Everything here runs on the compute thread: OpenMP's thread count is a per-thread
 setting, and `torch.set_num_threads` applies to the thread that calls it.
@@ -64,7 +68,10 @@ class ThreadTuner:
         # a decode step cost very differently per token: only like is compared with like)
         self._recent: dict[int, deque[float]] = {}
         self._probe: int | None = None  # the count being tried, if probing
-        self._probe_costs: dict[int, list[float]] = {}
+        # while probing: cost per token by (thread count, step size), both counts
+        # measured alternately in the same stretch of time
+        self._probe_costs: dict[tuple[int, int], list[float]] = {}
+        self._probe_turn = False  # the next step of a probe runs the tried count
         self._probe_left = 0  # steps the probe may still take before it is given up
         self._next_probe = clock()  # the first probe as soon as a few steps were measured
         self.switches = 0
@@ -91,8 +98,9 @@ class ThreadTuner:
                         else max(n for n in others if n > self.current)
                     )
                     self._probe_costs = {}
-                    self._probe_left = 4 * self.probe_steps
-            if self._probe is not None:
+                    self._probe_turn = True
+                    self._probe_left = 8 * self.probe_steps
+            if self._probe is not None and self._probe_turn:
                 threads = self._probe
         if threads != self._applied["threads"]:
             self._set(threads)
@@ -105,18 +113,20 @@ class ThreadTuner:
             return
         cost = seconds / tokens
         size = tokens.bit_length()  # steps of 1, 2-3, 4-7, 8-15, ... tokens
-        if self._probe is None or threads != self._probe:
+        if self._probe is None:
             self._recent.setdefault(size, deque(maxlen=self.probe_steps)).append(cost)
             return
-        tried = self._probe_costs.setdefault(size, [])
+        self._probe_turn = threads != self._probe  # alternate: the other count next
+        tried = self._probe_costs.setdefault((threads, size), [])
         tried.append(cost)
         self._probe_left -= 1
-        before = self._recent.get(size)
-        if len(tried) >= self.probe_steps and before is not None and len(before) >= 1:
-            if statistics.median(tried) * self.margin < statistics.median(before):
+        probe = self._probe_costs.get((self._probe, size), [])
+        kept = self._probe_costs.get((self.current, size), [])
+        if len(probe) >= self.probe_steps and len(kept) >= self.probe_steps:
+            if statistics.median(probe) * self.margin < statistics.median(kept):
                 self.current = self._probe
                 self.switches += 1
-                self._recent = {size: deque(tried[-self.probe_steps :], maxlen=self.probe_steps)}
+                self._recent = {size: deque(probe[-self.probe_steps :], maxlen=self.probe_steps)}
                 self._interval = self.probe_every_s
             else:  # a probe costs a few slow steps: fewer of them while nothing changes
                 self._interval = min(self._interval * 2, self.max_probe_every_s)

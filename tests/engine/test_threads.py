@@ -71,6 +71,23 @@ def test_the_tuner_keeps_its_count_within_the_margin_and_fixed_never_probes():
     assert set(m.run(fixed, 100)) == {2}
 
 
+def test_a_probe_compares_counts_alternately_not_against_steps_before_it():
+    """The first steps of a server (or those after a long prefill, or a noisy spell of the
+    host) are slow at any count: a probe judged against them picked one thread on a quiet
+    2-core machine (measured: 56-66 ms decode steps instead of 34-37 ms for seconds)."""
+    m = FakeMachine()
+    tuner = _tuner(m)
+    m.cost = {2: 3.0, 1: 5.4}  # cold: everything slow
+    m.run(tuner, 3)  # enough for the first probe to start
+    m.cost = {2: 1.0, 1: 1.8}  # warm
+    used = m.run(tuner, 30)
+    assert tuner.current == 2 and tuner.switches == 0
+    assert used[:6] == [1, 2, 1, 2, 1, 2]  # the probe: one thread and two, alternately
+    m.cost = {2: 6.0, 1: 1.9}  # a real load still moves it, alternating or not
+    m.run(tuner, 200)
+    assert tuner.current == 1 and tuner.switches == 1
+
+
 def test_one_and_two_threads_give_the_same_logits_and_tokens(tiny_model_dir):
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
 

@@ -61,3 +61,32 @@ async def test_add_calls_refuses_bad_inputs_before_changing_anything(tmp_path):
         assert (await c.post(f"/v1/runs/{rid}/calls", json={"close": True})).status_code == 200
         r = await c.post(f"/v1/runs/{rid}/calls", json={"inputs": {"z": "v"}})
         assert r.status_code == 409
+
+
+def test_frames_send_a_read_as_one_chunk_and_stop_at_the_run_end():
+    from datetime import UTC, datetime
+
+    from parrot_backend.server.event_stream import frame, frames
+    from parrot_backend.store import EventRecord
+
+    def ev(seq, type, payload):
+        return EventRecord("r1", seq, type, payload, datetime.now(UTC))
+
+    events = [
+        ev(3, "token", {"call": "a", "text": "hé\n"}),
+        ev(4, "variable_ready", {"name": "y", "value": "v"}),
+        ev(5, "run_finished", {"status": "finished"}),
+        ev(6, "token", {"call": "late"}),  # never after the run's end
+    ]
+    chunk, finished = frames(events)
+    assert finished
+    assert chunk == b"".join(frame(e).encode() for e in events[:3])
+    parsed = sse_events(chunk.decode())
+    assert [(e["event"], e["id"]) for e in parsed] == [
+        ("token", "3"),
+        ("variable_ready", "4"),
+        ("run_finished", "5"),
+    ]
+    assert parsed[0]["data"] == {"call": "a", "text": "hé\n"}
+    chunk, finished = frames(events[:2])
+    assert not finished and len(sse_events(chunk.decode())) == 2

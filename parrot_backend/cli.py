@@ -120,6 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
             worker=args.worker_id,
             owner_lease_s=args.run_lease,
             manager_config=limits,
+            flush_interval_s=args.token_flush,
         )
         settings = ServerSettings(
             host=args.host,
@@ -205,6 +206,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _flush_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 10:  # (also refuses nan and inf)
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 10 seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from parrot_backend.server.engine_main import add_engine_parser, add_model_arguments
 
@@ -266,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds this server holds its runs without renewing; servers "
         "sharing a database adopt the runs of one that stops (default 30)",
+    )
+    s.add_argument(
+        "--token-flush",
+        type=_flush_seconds,
+        default=0.1,
+        metavar="SECONDS",
+        help="how often generated tokens are written to the store, which is when event "
+        "streams send them: lower streams sooner, higher costs less CPU (default 0.1)",
     )
     s.add_argument(
         "--operator-key",

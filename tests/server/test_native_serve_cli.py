@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from parrot_backend.cli import _database_url, build_parser
 
 
@@ -61,3 +63,22 @@ def test_a_negative_gc_threshold_is_refused(tmp_path) -> None:
     )
     assert r.returncode == 2 and "--gc-threshold must be >= 0" in r.stderr
     assert not (tmp_path / "parrot.db").exists()  # refused before the store is opened
+
+
+def test_token_flush_reaches_the_write_buffer_and_bad_values_are_refused(tmp_path, capsys):
+    from parrot_backend.server.runtime import NativeRuntime
+    from parrot_backend.store import Store
+    from parrot_backend.testing.fake_engine import NoopEngine
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).token_flush == 0.1
+    assert parser.parse_args(["serve", "--token-flush", "0.02"]).token_flush == 0.02
+    for bad in ["0", "-1", "nan", "inf", "11", "soon"]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--token-flush", bad])
+        assert "--token-flush" in capsys.readouterr().err
+    store = Store(f"sqlite:///{tmp_path / 'p.db'}")
+    engines = {"e0": NoopEngine()}
+    rt = NativeRuntime(store, engines, flush_interval_s=0.02)
+    assert rt.persister.buffer.flush_interval_s == 0.02
+    assert NativeRuntime(store, engines).persister.buffer.flush_interval_s == 0.1

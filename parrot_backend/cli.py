@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
     from parrot_backend.server import ServerSettings, create_app
     from parrot_backend.server.engine_main import load_engine
     from parrot_backend.server.runtime import NativeRuntime
-    from parrot_backend.server.settings import is_loopback
+    from parrot_backend.server.settings import KEEP_ALIVE_S, is_loopback
     from parrot_backend.store import SchemaOutdatedError, Store, StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -162,7 +162,12 @@ def _serve(args: argparse.Namespace) -> int:
         )
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=10,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
     )
     failed: list[BaseException] = []

@@ -252,6 +252,7 @@ def run_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .engine_api import create_engine_app
+    from .settings import KEEP_ALIVE_S
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("PARROT_ENGINE_API_KEY")
@@ -281,7 +282,14 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         sock.close()
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
+    )
     failures: list[str] = []
 
     async def watch_engine() -> None:

@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 # returns None for an unknown key.
 KeyLookup = Callable[[str], "Awaitable[str | None] | str | None"]
 
+# How long the HTTP servers (`serve`, `engine`) keep an idle keep-alive connection open.
+# uvicorn's default (5 s) is httpx's default keep-alive expiry too: a client reusing a
+# pooled connection just as the server closes it gets a ReadError for a request it never
+# got an answer to (seen in a benchmark's 36-request burst). Longer than the common
+# clients' expiries, the server is never the one that closes first.
+KEEP_ALIVE_S = 75
+
 
 def is_loopback(host: str) -> bool:
     """True when `host` only accepts connections from this machine."""

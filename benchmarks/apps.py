@@ -187,46 +187,53 @@ async def run_phase(url: str, phase: str, args, tok, bar) -> list[dict]:
 
 
 async def run_mixed(http, phase: str, args, model: str, bar) -> list[dict]:
-    """The latency chain alone, the batch alone, then both: parrot, then request-level."""
+    """The latency chain alone, the batch alone, then both, in each mode; `--reps` times,
+    which mode goes first alternating (single runs of this workload vary by +-20% on a
+    shared machine: the report takes medians)."""
     out = []
-    for mi, mode in enumerate(("parrot", "request-level")):
-        seed = args.seed + 9000 + 10 * mi
-        size = copy.deepcopy(MIXED["quick" if args.quick else "gpu" if args.gpu else "cpu"])
-        for key, value in args.sizes.get("mixed_tenant", {}).items():
-            part, _, name = key.partition(".")
-            size[part][name] = value  # --size mixed_tenant.batch.docs=24
-
-        def build(s: int, size: dict = size) -> tuple[workloads.Workload, workloads.Workload]:
-            chain = workloads.build("chain_summary", s, quick=args.quick, **size["chain"])
-            batch = workloads.build("map_reduce", s + 1, quick=args.quick, **size["batch"])
-            batch.criterion = "throughput"
-            return chain, batch
-
-        chain, batch = build(seed)
-        bar.set_description(f"cache {phase}: mixed_tenant {mode}")
-        got = await modes.run_mixed(
-            http,
-            mode,
-            chain,
-            batch,
-            args.rtt,
-            model,
-            delay=size["delay"],
-            loaded=build(seed + 5),  # texts of their own: nothing cached by the alone runs
-        )
-        out.append(
-            {
-                "phase": phase,
-                "workload": "mixed_tenant",
-                "mode": mode,
-                "seed": seed,
-                "info": {"chain": chain.info, "batch": batch.info},
-                "mixed": got,
-            }
-        )
-        bar.set_postfix_str(f"{mode} chain {got['chain_loaded']:.1f}s loaded")
-        bar.update(1)
+    for rep in range(args.reps):
+        for mode in workloads_order(rep):
+            out.append(await _mixed_once(http, phase, args, model, bar, rep, mode))
     return out
+
+
+async def _mixed_once(http, phase: str, args, model: str, bar, rep: int, mode: str) -> dict:
+    mi = MODES_ORDER.index(mode)
+    seed = args.seed + 9000 + 10 * mi + 100 * rep
+    size = copy.deepcopy(MIXED["quick" if args.quick else "gpu" if args.gpu else "cpu"])
+    for key, value in args.sizes.get("mixed_tenant", {}).items():
+        part, _, name = key.partition(".")
+        size[part][name] = value  # --size mixed_tenant.batch.docs=24
+
+    def build(s: int, size: dict = size) -> tuple[workloads.Workload, workloads.Workload]:
+        chain = workloads.build("chain_summary", s, quick=args.quick, **size["chain"])
+        batch = workloads.build("map_reduce", s + 1, quick=args.quick, **size["batch"])
+        batch.criterion = "throughput"
+        return chain, batch
+
+    chain, batch = build(seed)
+    bar.set_description(f"cache {phase}: mixed_tenant {mode} #{rep + 1}")
+    got = await modes.run_mixed(
+        http,
+        mode,
+        chain,
+        batch,
+        args.rtt,
+        model,
+        delay=size["delay"],
+        loaded=build(seed + 5),  # texts of their own: nothing cached by the alone runs
+    )
+    bar.set_postfix_str(f"{mode} chain {got['chain_loaded']:.1f}s loaded")
+    bar.update(1)
+    return {
+        "phase": phase,
+        "workload": "mixed_tenant",
+        "mode": mode,
+        "rep": rep,
+        "seed": seed,
+        "info": {"chain": chain.info, "batch": batch.info},
+        "mixed": got,
+    }
 
 
 # mixed tenants: a latency chain submitted while a throughput map-reduce runs; on the CPU
@@ -250,6 +257,9 @@ MIXED = {
     },
 }
 WORKLOADS = [*workloads.BUILDERS, "mixed_tenant"]
+
+
+MODES_ORDER = ("parrot", "request-level")
 
 
 def workloads_order(rep: int) -> tuple[str, str]:
@@ -350,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     apps = [w for w in args.workloads if w != "mixed_tenant"]
     total = len(phases) * len(apps) * args.reps * 2 + len(apps) * args.hf_reps
     if "mixed_tenant" in args.workloads:
-        total += 2 * sum(p != "off" for p in phases)
+        total += 2 * args.reps * sum(p != "off" for p in phases)
     records: list[dict] = []
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.time()

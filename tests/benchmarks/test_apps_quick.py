@@ -62,6 +62,7 @@ def test_quick_run_writes_a_sane_table(apps, tiny_model_dir, tmp_path):
             assert 0 < r[f"{mode}.prefill_computed"] <= r[f"{mode}.prompt_tokens"] + 16
         assert r["ratio"] == pytest.approx(r["request-level.jct"] / r["parrot.jct"])
         assert r["lower_bound"] > 0
+        assert r["ratio_ceiling"] == pytest.approx(r["request-level.jct"] / r["lower_bound"])
         # a prefix trie never counts more than what was sent
         assert r["parrot.unique_prompt_tokens"] <= r["parrot.prompt_tokens"]
         # transformers generate(): once per workload, in the cache-on phase only
@@ -82,6 +83,7 @@ def test_quick_run_writes_a_sane_table(apps, tiny_model_dir, tmp_path):
     table = (out / "table.md").read_text()
     assert table.startswith("Command: `python benchmarks/apps.py --quick")
     assert table.count("\n| shared_prompt | on |") >= 1 and "| goal | measured | met |" in table
+    assert "| goal | measured | met | ceiling (request-level JCT / parrot's bound) |" in table
     assert "transformers generate()" in table and "| transformers / parrot |" in table
     saved = json.loads((out / "results.json").read_text())
     # both server modes in both phases, transformers once per workload, mixed tenants

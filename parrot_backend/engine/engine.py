@@ -111,6 +111,7 @@ class Engine(StepLoop):
         self.prefill_tokens_computed = 0  # of those, prompt tokens (not sampled ones' KV)
         self.tokens_generated = 0
         self.ended = self._seen_ended = 0
+        self.submitted = 0
         self.steps = 0
         self.error: BaseException | None = None  # set when the engine loop died
         self._wake: asyncio.Event | None = None

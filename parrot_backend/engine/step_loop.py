@@ -37,9 +37,18 @@ from .threads import ThreadTuner
 
 log = logging.getLogger(__name__)
 
-# event-loop passes the loop gives up after requests end, before it plans the next step:
-# `await asyncio.shield(fut)` wakes its task on the second pass after `fut` resolves
+# After requests end, the loop gives up event-loop passes before it plans the next step,
+# until this many passes in a row brought no new request: a task awaiting a resolved
+# future runs a pass or two later, and one woken through `asyncio.shield` (the calls that
+# wait for another call's prefix fill) two passes after that. Measured on the shared-
+# prompt workload: the call that filled the prefix submits its fork on the 2nd pass, the
+# 7 calls waiting for that fill on the 4th; a fixed 3 passes planned a step of the first
+# fork alone (~65 ms on 2 cores) and then a decode step for it next to the others' first
+# tokens (~65 ms where sampling from kept states alone takes ~10 ms).
 YIELDS_AFTER_END = 3
+# ... and never more than this many passes in all (a steady stream of new requests would
+# otherwise hold the step back)
+MAX_YIELDS_AFTER_END = 16
 
 _compute: ThreadPoolExecutor | None = None
 
@@ -75,6 +84,7 @@ class StepLoop:
     prefill_tokens_computed: int
     tokens_generated: int
     ended: int  # requests finished (or failed) so far
+    submitted: int  # requests submitted so far
     _seen_ended: int  # `ended` when the last step was planned
     error: BaseException | None
     _grammars: GrammarCompiler | None
@@ -99,6 +109,7 @@ class StepLoop:
         req.sampler.grammar = state
 
     def _submit(self, req: Request) -> None:
+        self.submitted += 1
         req.ctx.queue.append(req)
         self.scheduler.add(req)
         self._wake.set()
@@ -141,8 +152,7 @@ class StepLoop:
                     # instead of a step of less urgent work planned without it (a future
                     # resolved here wakes its awaiting task a loop pass or two later)
                     self._seen_ended = self.ended
-                    for _ in range(YIELDS_AFTER_END):
-                        await asyncio.sleep(0)
+                    await self._let_callers_run()
                     if self._stopping:  # stop() set the wake-up meanwhile: clearing it
                         break  # below would lose it
                 work, finished, failed = self.scheduler.schedule()
@@ -166,6 +176,18 @@ class StepLoop:
             self.error = exc
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._fail(req, EngineDead(f"engine failed: {exc!r}"))
+
+    async def _let_callers_run(self) -> None:
+        """Yield event-loop passes until `YIELDS_AFTER_END` in a row bring no new request
+        (at most `MAX_YIELDS_AFTER_END`): the callers of requests that just ended, and the
+        tasks waiting on them, submit their next requests into the step about to be planned.
+        """
+        quiet = passes = 0
+        while quiet < YIELDS_AFTER_END and passes < MAX_YIELDS_AFTER_END:
+            seen = self.submitted
+            await asyncio.sleep(0)
+            passes += 1
+            quiet = 0 if self.submitted != seen else quiet + 1
 
     def _bind_grammars(self, work: list[Work]) -> list[Work]:
         """Bind the grammar states of constrained requests starting in this step (on the loop

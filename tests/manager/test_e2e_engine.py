@@ -263,3 +263,52 @@ async def test_smollm2_chain_with_multi_output_and_stop(smollm2_dir) -> None:
     got, manager, _ = await managed(smollm2_dir, program)
     assert got == want
     assert started_after_ready(manager, "f1", "short")
+
+
+async def test_forks_of_a_shared_prompt_fill_in_one_step(tiny_model_dir, monkeypatch) -> None:
+    """Users sharing a system prompt: the call that fills the prefix and the calls waiting
+    for that fill all fork in the step after it (the engine loop lets callers run until no
+    new request comes), not the filler's fork alone in a step of its own; and the values
+    equal each call run alone. (Through the server, where the old fixed three passes split
+    them: tests/server/test_real_engine.py.)"""
+    users = 4
+    system = "You are a helpful assistant for a bird shop. " * 6
+    job = spec(
+        [
+            (f"u{i}", system + f"User {i}: {{{{input:q{i}}}}} Answer: {{{{output:a{i}}}}}")
+            for i in range(users)
+        ],
+        {f"q{i}": f"what do parrots eat, part {i}?" for i in range(users)},
+        "a0",
+        **{f"u{i}": {f"a{i}": GEN} for i in range(users)},
+    )
+    job.outputs = {f"a{i}": "latency" for i in range(users)}
+    want, _ = await reference(tiny_model_dir, job)
+
+    async def fork_steps() -> tuple[list[dict[str, str]], list[int]]:
+        """Values, and for each step with fork fills in it, how many."""
+        steps: list[int] = []
+        real = Engine.from_pretrained
+
+        def spying(*a, **kw):
+            engine = real(*a, **kw)
+            schedule = engine.scheduler.schedule
+
+            def spy():
+                out = schedule()
+                forks = [w for w in out[0] if w.req.kind == "fill" and w.req.ctx.parent]
+                if forks:
+                    steps.append(len(forks))
+                return out
+
+            engine.scheduler.schedule = spy
+            return engine
+
+        with monkeypatch.context() as m:
+            m.setattr(Engine, "from_pretrained", spying)
+            got, _, _ = await managed(tiny_model_dir, job)
+        return got, steps
+
+    got, steps = await fork_steps()
+    assert got == want
+    assert steps == [users], steps

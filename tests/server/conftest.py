@@ -113,22 +113,3 @@ def pg_database() -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    """In the schema fuzz (test_fuzz_native.py), schemathesis's generator sometimes gives up
-    on a draw ("Cannot generate an array with 1 demanded elements": seen once in a full CI
-    run, POST /v1/runs, 2026-12-04; not reproduced alone or after the tests before it): the
-    case never reached the server, so it is reported as an expected failure of the tool,
-    never as a pass. Any other error fails as before."""
-    try:
-        return (yield)
-    except Exception as exc:
-        if (
-            item.module.__name__.endswith("test_fuzz_native")
-            and type(exc).__name__ == "InvalidSchema"
-            and "demanded elements" in str(exc)
-        ):
-            pytest.xfail(f"schemathesis could not generate a case: {exc}")
-        raise

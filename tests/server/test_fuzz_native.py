@@ -26,7 +26,11 @@ from hypothesis import HealthCheck, seed, settings
 
 schemathesis = pytest.importorskip("schemathesis")
 
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.errors import InvalidArgument  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.core.errors import InvalidSchema  # noqa: E402
+from schemathesis.generation.jsonschema import strategy as _st_strategy  # noqa: E402
 
 from parrot_backend.server import ServerSettings, create_app  # noqa: E402
 from parrot_backend.server.runtime import NativeRuntime  # noqa: E402
@@ -35,6 +39,34 @@ from parrot_backend.testing.fake_engine import ScriptedEngine  # noqa: E402
 
 from .conftest import LiveServer  # noqa: E402
 from .native_support import ALICE, KEYS, echo, migrated_sqlite, run_body  # noqa: E402
+
+
+def _demands_none_can_meet(repeated):
+    """schemathesis 4.32's negative mode negates a whole body (`not: RunSpec`); the negation
+    of `ProgramSpec.calls` holds an array `contains` demand whose element has no values. Its
+    `_repeated` then raises InvalidSchema ("Cannot generate an array with 1 demanded
+    elements", from Hypothesis's "Cannot create non-empty lists with elements drawn from
+    strategy nothing()") instead of giving `st.nothing()` as it does for the same
+    contradiction outside a `$ref` cycle (its `ctx.building_cycle` skips that check). The
+    error ends the whole operation's test, so POST /v1/runs was fuzzed in some runs and
+    failed in others (which draw meets it depends on strategy caches shared across
+    operations). Here exactly that case declines the layout, as schemathesis's own check
+    would; any other InvalidSchema still raises."""
+
+    def wrapped(placement, ctx, *, unique):
+        try:
+            return repeated(placement, ctx, unique=unique)
+        except InvalidSchema as exc:
+            cause = exc.__cause__
+            if isinstance(cause, InvalidArgument) and "nothing()" in str(cause):
+                return st.nothing()
+            raise
+
+    return wrapped
+
+
+if hasattr(_st_strategy, "_repeated"):  # a later schemathesis may have fixed or renamed it
+    _st_strategy._repeated = _demands_none_can_meet(_st_strategy._repeated)
 
 A = {"name": "a", "template": "Start {{input:x}} {{output:y}}"}
 POLL_S = 0.2  # long-polls wait at most this long: a pending variable answers 408 quickly
@@ -137,10 +169,11 @@ def _bounded_poll(query: dict) -> None:
 
 
 @schema.parametrize()
-# A fixed seed: the same cases every run (a generator limit of schemathesis, "Cannot generate
-# an array with 1 demanded elements", is hit on some draws and must not make CI flaky). Not
-# `derandomize=True`: its seed is a digest of this function's source, so reformatting the
-# file changed the draws and hit that limit. Change the seed or widen max_examples locally
+# A fixed seed: the same cases every run. Not `derandomize=True`: its seed is a digest of
+# this function's source, so reformatting the file changed the draws. (Those changing draws
+# met schemathesis's "Cannot generate an array with 1 demanded elements", now declined by
+# `_demands_none_can_meet` above: 0 of 400 seeded draws of all /v1 operations, against 7
+# of 40 seeds for POST /v1/runs without it.) Change the seed or widen max_examples locally
 # to explore.
 @seed(20261202)
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

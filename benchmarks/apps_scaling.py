@@ -6,8 +6,11 @@ P-token prompt, parrot vs request-level, on one server with the engine's prefix 
 Parrot should compute about P + N * suffix prompt tokens (the prompt filled once, each
 user's question on a fork), request-level about N * (P + suffix). The token counts come
 from the engine's own counters (`/bench/engine`), so they are exact whatever the machine's
-noise; JCTs are one run each. Writes `scaling.json`, `scaling.md` and `scaling.png` into
-`--out` (default `benchmarks/results/apps`).
+noise. Each point runs `--reps` times (default 2), the mode that goes first alternating,
+each repetition on texts of its own; the table gives the median JCTs, their ratio and each
+repetition's ratio (single runs of the one-user points read 0.72-1.62x on this shared
+host). Writes `scaling.json`, `scaling.md` and `scaling.png` into `--out` (default
+`benchmarks/results/apps`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -38,34 +42,62 @@ async def sweep(url: str, args, tok, bar) -> list[dict]:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         for p in args.prompt:
             for n in args.users:
-                row = {"prompt": p, "users": n}
-                for mi, mode in enumerate(("parrot", "request-level")):
-                    seed = 70_000 + 100 * p + 10 * n + mi
-                    wl = workloads.shared_prompt(seed, users=n, prompt=p, gen=args.gen)
-                    bar.set_description(f"P={p} N={n} {mode}")
-                    if mode == "parrot":
-                        run = await modes.run_parrot(http, wl, 0.0)
-                    else:
-                        run = await modes.run_request_level(http, wl, 0.0, model)
-                    s = report.summarise_run(wl, run, tok)
+                reps: dict[str, list[dict]] = {"parrot": [], "request-level": []}
+                for rep in range(args.reps):
+                    order = ("parrot", "request-level")
+                    for mode in order if rep % 2 == 0 else order[::-1]:
+                        mi = order.index(mode)
+                        # texts of its own per run: no run finds another's prompt cached
+                        seed = 70_000 + 100 * p + 10 * n + mi + 100_000 * rep
+                        wl = workloads.shared_prompt(seed, users=n, prompt=p, gen=args.gen)
+                        bar.set_description(f"P={p} N={n} {mode} rep {rep + 1}")
+                        if mode == "parrot":
+                            run = await modes.run_parrot(http, wl, 0.0)
+                        else:
+                            run = await modes.run_request_level(http, wl, 0.0, model)
+                        s = report.summarise_run(wl, run, tok)
+                        reps[mode].append(
+                            {
+                                "jct": s["jct"],
+                                "prefill_computed": s.get("prefill_computed"),
+                                "prompt_tokens": s["prompt_tokens"],
+                                "unique_prompt_tokens": s["unique_prompt_tokens"],
+                            }
+                        )
+                        bar.update(1)
+                row: dict = {"prompt": p, "users": n, "reps": args.reps}
+                for mode, runs in reps.items():
                     row[mode] = {
-                        "jct": s["jct"],
-                        "prefill_computed": s.get("prefill_computed"),
-                        "prompt_tokens": s["prompt_tokens"],
-                        "unique_prompt_tokens": s["unique_prompt_tokens"],
+                        "jct": statistics.median(r["jct"] for r in runs),
+                        "jcts": [r["jct"] for r in runs],
+                        # token counts repeat exactly between runs; the median guards a stray one
+                        "prefill_computed": _median(r["prefill_computed"] for r in runs),
+                        "prompt_tokens": runs[0]["prompt_tokens"],
+                        "unique_prompt_tokens": runs[0]["unique_prompt_tokens"],
                     }
-                    bar.update(1)
+                row["rep_ratios"] = [
+                    b["jct"] / a["jct"]
+                    for a, b in zip(reps["parrot"], reps["request-level"], strict=True)
+                ]
                 rows.append(row)
     return rows
+
+
+def _median(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
 
 
 def write(out: Path, rows: list[dict], command: str) -> str:
     lines = [
         f"Command: `{command}`",
         "",
+        "Medians of the repetitions (JCT ratio = request-level / parrot); the last column "
+        "is each repetition's ratio, the first with parrot first.",
+        "",
         "| P | N | parrot prefill | req-level prefill | prefill ratio | parrot JCT s | "
-        "req-level JCT s | JCT ratio |",
-        "|" + " --- |" * 8,
+        "req-level JCT s | JCT ratio | ratio per repetition |",
+        "|" + " --- |" * 9,
     ]
     for r in rows:
         a, b = r["parrot"], r["request-level"]
@@ -77,7 +109,9 @@ def write(out: Path, rows: list[dict], command: str) -> str:
         lines.append(
             f"| {r['prompt']} | {r['users']} | {a['prefill_computed']} | "
             f"{b['prefill_computed']} | {report._f(pr)}x | {a['jct']:.2f} | "
-            f"{b['jct']:.2f} | {b['jct'] / a['jct']:.2f}x |"
+            f"{b['jct']:.2f} | {b['jct'] / a['jct']:.2f}x | "
+            + " / ".join(f"{x:.2f}x" for x in r.get("rep_ratios", []))
+            + " |"
         )
     text = "\n".join(lines) + "\n"
     (out / "scaling.md").write_text(text)
@@ -116,6 +150,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--prompt", type=int, nargs="+", help="P values (default 256 1024)")
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument(
+        "--reps", type=int, default=2, help="runs per mode and point, order alternating"
+    )
+    ap.add_argument(
         "--gpu", action="store_true", help="N = 1 4 16 64 and P = 256 1024 4096 (a GPU engine)"
     )
     ap.add_argument("--model")
@@ -132,7 +169,11 @@ def main(argv: list[str] | None = None) -> str:
     args.out.mkdir(parents=True, exist_ok=True)
     tok = report.load_tokenizer(args.model)
     began = time.time()
-    with tqdm(total=2 * len(args.users) * len(args.prompt), unit="run", file=sys.stderr) as bar:
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    with tqdm(
+        total=2 * args.reps * len(args.users) * len(args.prompt), unit="run", file=sys.stderr
+    ) as bar:
         if args.url:
             rows = asyncio.run(sweep(args.url, args, tok, bar))
         else:

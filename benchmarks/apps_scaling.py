@@ -88,6 +88,11 @@ def _median(values) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _tokens(n: float | None) -> str:
+    """A token count (a median of two runs can end in .5)."""
+    return "-" if n is None else f"{n:,.1f}".removesuffix(".0")
+
+
 def write(out: Path, rows: list[dict], command: str) -> str:
     lines = [
         f"Command: `{command}`",
@@ -107,8 +112,8 @@ def write(out: Path, rows: list[dict], command: str) -> str:
             else None
         )
         lines.append(
-            f"| {r['prompt']} | {r['users']} | {a['prefill_computed']} | "
-            f"{b['prefill_computed']} | {report._f(pr)}x | {a['jct']:.2f} | "
+            f"| {r['prompt']} | {r['users']} | {_tokens(a['prefill_computed'])} | "
+            f"{_tokens(b['prefill_computed'])} | {report._f(pr)}x | {a['jct']:.2f} | "
             f"{b['jct']:.2f} | {b['jct'] / a['jct']:.2f}x | "
             + " / ".join(f"{x:.2f}x" for x in r.get("rep_ratios", []))
             + " |"

@@ -59,6 +59,8 @@ def _record_steps(engine, log: deque) -> None:
                 "prefill": tokens - decode,
                 "latency_rows": sum(1 for w in work if w.req.priority == 0),
                 "threads": _threads(engine),
+                # the count this step ran with (a probe's tried count included)
+                "step_threads": _step_threads(engine),
             }
         )
         return out
@@ -112,6 +114,12 @@ def _install(app, engine, native) -> None:
 def _threads(engine) -> int | None:
     threads = getattr(engine, "threads", None)
     return getattr(threads, "current", None)
+
+
+def _step_threads(engine) -> int | None:
+    """The thread count the compute thread last applied (read after the step: its own)."""
+    applied = getattr(getattr(engine, "threads", None), "_applied", None)
+    return applied.get("threads") if isinstance(applied, dict) else None
 
 
 def _set_latency_capacity(capacity: int) -> None:

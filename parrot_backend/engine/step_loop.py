@@ -251,7 +251,7 @@ class StepLoop:
             masks = grammar_masks([s.grammar for s in constrained], self.vocab_size)
             for sampler, mask in zip(constrained, masks, strict=True):
                 sampler.banned = mask
-        threads = self.threads.before_step()
+        threads = self.threads.before_step(len(batch.ids))
         began = time.perf_counter()
         out = self.runner.execute(batch)
         self.threads.after_step(threads, time.perf_counter() - began, len(batch.ids))

@@ -16,6 +16,13 @@ the next probe. A probe that changes nothing doubles the interval to the next (u
 its share of the cores, and the engine goes back to the whole team once the load is
 gone.
 
+Only small steps (at most `probe_max_tokens` tokens: decode steps, short prefills) run the
+tried count. A probe falls due after any pause longer than the interval, so it used to
+start on the first step of the next request, usually a prefill chunk: 512 tokens on one
+thread of two took 0.9-1.0 s where the whole team takes ~0.5 s (SmolLM2, 2 cores), added to
+that request's time to first token. A tried decode step costs tens of milliseconds.
+Large steps during a probe run the current count, and they are not counted for it.
+
 Everything here runs on the compute thread: OpenMP's thread count is a per-thread
 setting, and `torch.set_num_threads` applies to the thread that calls it.
 """
@@ -48,6 +55,7 @@ class ThreadTuner:
         probe_every_s: float = 5.0,
         max_probe_every_s: float = 40.0,
         probe_steps: int = 3,
+        probe_max_tokens: int = 64,
         margin: float = 1.15,
         set_threads: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -59,6 +67,7 @@ class ThreadTuner:
         self.max_probe_every_s = max(max_probe_every_s, probe_every_s)
         self._interval = probe_every_s  # doubles after each probe that changes nothing
         self.probe_steps = probe_steps
+        self.probe_max_tokens = probe_max_tokens
         self.margin = margin
         self.clock = clock
         self._set = set_threads or _torch_set_threads
@@ -80,14 +89,20 @@ class ThreadTuner:
         """Thread counts worth trying: the whole team, half of it, one."""
         return sorted({self.max_threads, max(1, self.max_threads // 2), 1}, reverse=True)
 
-    def before_step(self) -> int:
-        """Apply and return the thread count for the next step."""
+    def before_step(self, tokens: int | None = None) -> int:
+        """Apply and return the thread count for the next step, of `tokens` tokens (None:
+        unknown, treated as small)."""
         threads = self.current
-        if not self.fixed:
+        small = tokens is None or tokens <= self.probe_max_tokens
+        if not self.fixed and small:
             if (
                 self._probe is None
                 and self.clock() >= self._next_probe
-                and any(len(q) == self.probe_steps for q in self._recent.values())
+                and any(
+                    len(q) == self.probe_steps
+                    for size, q in self._recent.items()
+                    if size <= self.probe_max_tokens.bit_length()
+                )
             ):
                 others = [n for n in self.candidates() if n != self.current]
                 if others:
@@ -116,6 +131,8 @@ class ThreadTuner:
         if self._probe is None:
             self._recent.setdefault(size, deque(maxlen=self.probe_steps)).append(cost)
             return
+        if tokens > self.probe_max_tokens:
+            return  # ran the current count outside the probe (see the module doc)
         self._probe_turn = threads != self._probe  # alternate: the other count next
         tried = self._probe_costs.setdefault((threads, size), [])
         tried.append(cost)

@@ -88,6 +88,44 @@ def test_a_probe_compares_counts_alternately_not_against_steps_before_it():
     assert tuner.current == 1 and tuner.switches == 1
 
 
+def _steps(tuner: ThreadTuner, machine: FakeMachine, sizes: list[int]) -> list[tuple[int, int]]:
+    """Run steps of these token counts; (tokens, thread count) of each."""
+    used = []
+    for tokens in sizes:
+        n = tuner.before_step(tokens)
+        used.append((tokens, n))
+        machine.now += 0.05
+        tuner.after_step(n, machine.cost[n] * tokens, tokens)
+    return used
+
+
+def test_a_probe_tries_its_count_on_small_steps_only():
+    """A pause makes a probe due, and the next request starts with a prefill chunk: on one
+    thread of two a 512-token chunk took 0.9-1.0 s instead of ~0.5 s (SmolLM2, 2 cores),
+    added to that request's first token. Large steps keep the current count; the probe
+    runs on the decode steps after them and still decides."""
+    m = FakeMachine()
+    tuner = _tuner(m)
+    _steps(tuner, m, [8] * 12)  # a first request's decode: its first probe comes and goes
+    m.now += 30.0  # idle: the next probe is due
+    used = _steps(tuner, m, [512, 512, 15] + [8] * 12)
+    assert [n for t, n in used if t > 64] == [2, 2]  # the chunks: the whole team
+    assert used[2] == (15, 1)  # the first small step takes the tried count
+    # then the counts alternate until each has 3 steps, and the probe ends
+    assert [n for _, n in used[2:8]] == [1, 2, 1, 2, 1, 2]
+    assert {n for _, n in used[8:]} == {2}
+    assert tuner.current == 2 and tuner.switches == 0  # one thread measured dearer
+    # under a co-located load the decision still comes, from the small steps, while big
+    # prefill steps between them keep the count then current
+    m.cost = {2: 6.0, 1: 1.9}
+    used = _steps(tuner, m, [512, 8, 8, 8, 8, 8] * 40)
+    assert tuner.current == 1 and tuner.switches == 1
+    switched = next(i for i, (t, n) in enumerate(used) if t > 64 and n == 1)
+    assert all(n == 2 for t, n in used[:switched] if t > 64)
+    # from then on big steps run one thread; later probes try two on small steps only
+    assert all(n == 1 for t, n in used[switched:] if t > 64)
+
+
 def test_one_and_two_threads_give_the_same_logits_and_tokens(tiny_model_dir):
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
 

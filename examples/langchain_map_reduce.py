@@ -61,11 +61,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--model", help="model name (default: the first the server serves)")
     args = ap.parse_args()
+    model = args.model or httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
     sent = []
     client = httpx.Client(event_hooks={"request": [sent.append]})
     chat = ChatParrot(
-        base_url=args.url, temperature=0, max_tokens=args.max_tokens, http_client=client
+        base_url=args.url,
+        model=model,
+        temperature=0,
+        max_tokens=args.max_tokens,
+        http_client=client,
     )
     chain = build(chat)
     inputs = {f"doc{i}": d for i, d in enumerate(DOCUMENTS)}

@@ -106,6 +106,9 @@ class AttentionBackend(ABC):
 # 0.80-0.95x of the plain one for 4-16 forks of 256-512 tokens and 4 of 768, level at 2
 # forks, and faster from ~6,000 prefix tokens: 8 x 768 1.31x, 16 x 512 1.18x,
 # 16 x 1,024 2.33x, 8 x 2,048 2.47x (before those changes, 256 tokens x 4 rows paid).
+# Rechecked after GQA without expanded K/V and the group's slots built once a step (every
+# size grouped vs plain, 12 tokens per fork): 0.81-0.97x below 4,096 prefix tokens,
+# 512 x 8 1.06x, 1,024 x 4 0.96x, 512 x 16 1.25x, 1,024 x 8 1.85x, 1,024 x 16 1.93x.
 TORCH_MIN_SHARED_PREFIX_LEN = 512
 TORCH_MIN_SHARED_PREFIX_TOKENS = 6144
 
@@ -150,13 +153,17 @@ class TorchAttention(AttentionBackend):
             out[rows] = self._shared_decode(q[rows], flat_k, flat_v, meta, g, scale)
         if decode:
             rows, slots, mask = self._decode_plan(meta, decode, q.device)
-            # [n, L, Hkv, D] -> [n, Hkv, L, D]; SDPA broadcasts KV heads to query heads (GQA)
+            # [n, L, Hkv, D] -> [n, Hkv, L, D]
             k = gather(flat_k, slots).transpose(1, 2).to(q.dtype)
             v = gather(flat_v, slots).transpose(1, 2).to(q.dtype)
-            qd = (q if out is None else q[rows]).unsqueeze(2)  # [n, Hq, 1, D]
-            o = F.scaled_dot_product_attention(
-                qd, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-            ).squeeze(2)
+            n, hq, d = len(decode), q.shape[1], q.shape[2]
+            # GQA: each KV head's query heads become that head's queries, [n, Hkv, Hq/Hkv,
+            # D], so SDPA never expands K/V to the query heads (as `enable_gqa` does on a
+            # CPU). The same values; a one-row decode step of SmolLM2 at 1,024 tokens took
+            # 37-47 ms against 49-52 ms (benchmarks/shared_decode_cpu.py, N = 1)
+            qd = (q if out is None else q[rows]).reshape(n, hkv, hq // hkv, d)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+            o = o.reshape(n, hq, d)
             if out is None:
                 return o  # a pure decode step: rows are 0..n-1 in order
             out[rows] = o
@@ -191,12 +198,8 @@ class TorchAttention(AttentionBackend):
         n, hq, d = q.shape
         hkv = flat_k.shape[1]
         r = hq // hkv
-        bs = meta.block_size
-        dev = q.device
+        slots, suffix, pad = self._shared_plan(meta, g, q.device)
         # the shared prefix, read once: the G rows' queries of each KV head in one matmul
-        blocks = torch.tensor(g.prefix_blocks, dtype=torch.long, device=dev)
-        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=dev)).flatten()
-        slots = slots[: g.prefix_len]
         kp = gather(flat_k, slots).permute(1, 2, 0).float()  # [Hkv, D, Lp]
         vp = gather(flat_v, slots).transpose(0, 1).float()  # [Hkv, Lp, D]
         qf = q.float().view(n, hkv, r, d)
@@ -205,19 +208,11 @@ class TorchAttention(AttentionBackend):
         o_p = torch.matmul(torch.softmax(sp, dim=-1), vp)  # [Hkv, G*r, D]
         lse_p = lse_p.view(hkv, n, r).permute(1, 0, 2)  # [G, Hkv, r]
         o_p = o_p.view(hkv, n, r, d).permute(1, 0, 2, 3)  # [G, Hkv, r, D]
-        # each row's own tokens after the prefix (its new token at least), padded
-        lens = torch.tensor([meta.seq_lens[i] - g.prefix_len for i in g.seq_indices], device=dev)
-        width = int(lens.max())
-        pos = g.prefix_len + torch.arange(width, device=dev)
-        rows = torch.tensor(g.seq_indices, dtype=torch.long, device=dev)
-        tables = meta.block_tables[rows].to(dtype=torch.long)
-        valid = torch.arange(width, device=dev).unsqueeze(0) < lens.unsqueeze(1)  # [G, Ls]
-        idx = (pos // bs).clamp(max=tables.shape[1] - 1).unsqueeze(0).expand(n, -1)
-        suffix = (tables.gather(1, idx) * bs + pos % bs).masked_fill(~valid, 0)
         ks = gather(flat_k, suffix).permute(0, 2, 3, 1).float()  # [G, Hkv, D, Ls]
         vs = gather(flat_v, suffix).transpose(1, 2).float()  # [G, Hkv, Ls, D]
         ss = torch.matmul(qf, ks) * scale  # [G, Hkv, r, Ls]
-        ss = ss.masked_fill(~valid[:, None, None, :], float("-inf"))
+        if pad is not None:
+            ss = ss.masked_fill(pad, float("-inf"))
         lse_s = torch.logsumexp(ss, dim=-1)  # [G, Hkv, r]
         o_s = torch.matmul(torch.softmax(ss, dim=-1), vs)  # [G, Hkv, r, D]
         # merge the two partial states by their log-sum-exp (both are non-empty)
@@ -226,6 +221,33 @@ class TorchAttention(AttentionBackend):
         w_s = torch.exp(lse_s - m).unsqueeze(-1)
         o = (o_p * w_p + o_s * w_s) / (w_p + w_s)
         return o.reshape(n, hq, d).to(q.dtype)
+
+    def _shared_plan(self, meta: AttentionMetadata, g: PrefixGroup, device):
+        """A prefix group's slots, built once per step (every layer reads the same): the
+        prefix's `[Lp]`, each row's own tokens after it `[G, Ls]` (padded with slot 0),
+        and where that padding is `[G, 1, 1, Ls]` (None when the rows are equally long)."""
+        key = ("shared", g.prefix_len, tuple(g.seq_indices))
+        plan = meta.cache.get(key)
+        if plan is not None:
+            return plan
+        bs = meta.block_size
+        blocks = torch.tensor(g.prefix_blocks, dtype=torch.long, device=device)
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=device)).flatten()
+        slots = slots[: g.prefix_len]
+        # each row's own tokens after the prefix (its new token at least), padded
+        lens = [meta.seq_lens[i] - g.prefix_len for i in g.seq_indices]
+        width = max(lens)
+        pos = g.prefix_len + torch.arange(width, device=device)
+        rows = torch.tensor(g.seq_indices, dtype=torch.long, device=device)
+        tables = meta.block_tables[rows].to(device=device, dtype=torch.long)
+        lens_t = torch.tensor(lens, device=device)
+        valid = torch.arange(width, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
+        idx = (pos // bs).clamp(max=tables.shape[1] - 1).unsqueeze(0).expand(len(lens), -1)
+        suffix = (tables.gather(1, idx) * bs + pos % bs).masked_fill(~valid, 0)
+        pad = None if min(lens) == width else ~valid[:, None, None, :]
+        plan = (slots, suffix, pad)
+        meta.cache[key] = plan
+        return plan
 
     def _prefill_plan(self, meta: AttentionMetadata, i: int, device):
         """Slots of sequence i's context and its causal mask (built once per step)."""

@@ -75,6 +75,7 @@ class TritonAttention(AttentionBackend):
         store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta, scale):
+        q = q.contiguous()  # the kernels index q by its shape (the model may pass a view)
         plan = self._plan(meta, q, k_cache)
         out = self.alloc_out(q)
         bt = plan.block_tables

@@ -36,6 +36,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op, the same values (nothing to round back): a decode step runs
+            # this 61 times on SmolLM2, and the four-op form cost ~1.5x as long
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -92,10 +96,27 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * self.scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * self.scaling, persistent=False)
+        # sin with the rotate-half sign folded in (-sin on the first half): with it a
+        # rotation is x * cos + roll(x, D / 2) * signed_sin, three ops (`apply_full`)
+        half = inv.shape[0]
+        signed = emb.sin() * self.scaling
+        signed[:, :half] = -signed[:, :half]
+        self.register_buffer("signed_sin", signed, persistent=False)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for these positions, shaped to broadcast over heads (once a step)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and signed sin rows for these positions, shaped to broadcast over heads
+        (once a step)."""
+        return (
+            self.cos[positions].unsqueeze(1),
+            self.sin[positions].unsqueeze(1),
+            self.signed_sin[positions].unsqueeze(1),
+        )
+
+    @staticmethod
+    def apply_full(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`apply` for float32 `x` [T, H, D] rotated over all of D (the same values; ~3x
+        faster at decode sizes: 3 ops instead of 9)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,13 +172,27 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, kv_cache, meta, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, *rope), Rotary.apply(k, *rope)
+        nq, nk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin, signed_sin = rope
+        if (
+            hasattr(self, "qkv_proj")
+            and not self.qk_norm
+            and x.dtype == torch.float32
+            and cos.shape[-1] == d
+        ):
+            # q and k are adjacent columns of the fused projection: rotate them together
+            qkv = self.qkv_proj(x)
+            qk = Rotary.apply_full(qkv[:, : (nq + nk) * d].view(t, nq + nk, d), cos, signed_sin)
+            q, k = qk[:, :nq], qk[:, nq:]
+            v = qkv[:, (nq + nk) * d :].view(t, nk, d)
+        else:
+            q, k, v = self._qkv(x)
+            q = q.reshape(t, nq, d)
+            k = k.reshape(t, nk, d)
+            v = v.reshape(t, nk, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)

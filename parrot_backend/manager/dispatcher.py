@@ -92,12 +92,16 @@ class Dispatcher:
         ready = self.window(max(0, slots))
         ready = await self._render(ready)
         statics = {r.static_key for r in ready if r.static_key is not None}
+        # engines that keep a token-level prefix cache keep a lone static prefix's blocks
+        # for the next run themselves (sharing.py)
+        cached = bool(stats) and all(st and st.prefix_cache_enabled for st in stats.values())
         shared = shareable(
             (r.prefixes for r in ready),
             m.sharing.table,
             m.config.static_prefix_min_tokens,
             lambda p: p.key in statics,
             lambda i, p: later_reader(ready[i], p.n_segments),
+            lone_static=not cached,
         )
         biggest = max(members.capacity.values(), default=1 << 62)
         pending: list[PendingCall] = []

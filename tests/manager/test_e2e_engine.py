@@ -312,3 +312,50 @@ async def test_forks_of_a_shared_prompt_fill_in_one_step(tiny_model_dir, monkeyp
     got, steps = await fork_steps()
     assert got == want
     assert steps == [users], steps
+
+
+async def test_a_lone_system_prompt_is_not_filled_on_its_own_when_the_engine_caches(
+    tiny_model_dir,
+) -> None:
+    """One call with a system prompt, on an engine with its token-level prefix cache on:
+    the manager sends the whole prompt (no prefix context first, which would cost the call
+    an engine step before its own tokens), the values equal the call run alone, and the
+    next run with that prompt reuses its blocks from the engine's cache. With the cache
+    off the prompt is filled on its own (the next run forks from it): one step more."""
+    system = "You are a helpful assistant for a bird shop. Answer in one line. " * 3
+    runs = [
+        spec(
+            [("ask", system + "Question: {{input:q}} Answer: {{output:a}}")],
+            {"q": q},
+            "a",
+            ask={"a": GEN},
+        )
+        for q in ("Why do parrots talk?", "What do parrots eat?")
+    ]
+    want, _ = await reference(tiny_model_dir, *runs)
+
+    async def one_by_one(prefix_cache: bool):
+        engine = Engine.from_pretrained(
+            tiny_model_dir, num_blocks=256, progress=False, prefix_cache=prefix_cache
+        )
+        values, steps, hits = [], [], []
+        async with engine, Manager({"e0": engine}) as manager:
+            for s in runs:
+                before, hits0 = engine.stats_now().steps, engine.stats_now().prefix_cache_hits
+                rid = await manager.create_run(s)
+                async for _ in manager.subscribe(rid):
+                    pass
+                values.append(manager.run_status(rid).values)
+                steps.append(engine.stats_now().steps - before)
+                hits.append(engine.stats_now().prefix_cache_hits - hits0)
+            fills = manager.sharing.fills["e0"]
+        return values, steps, hits, fills, len(engine.tokenize(system))
+
+    got, steps_on, hits, fills, n_system = await one_by_one(prefix_cache=True)
+    assert got == want
+    assert fills == 0
+    assert hits[0] == 0 and hits[1] >= n_system // 16 * 16 > 0
+    got_off, steps_off, _, fills_off, _ = await one_by_one(prefix_cache=False)
+    assert got_off == want
+    assert fills_off == 1
+    assert steps_on[0] == steps_off[0] - 1, (steps_on, steps_off)

@@ -89,6 +89,7 @@ class Request:
     priority: int = 0  # lower runs first (latency-critical work)
     generated: int = 0
     prompt_end: int | None = None  # a generate's context length when it was first admitted
+    matched: bool = False  # asked the prefix cache since it was (re)admitted
     done: bool = False
     eos_ids: frozenset[int] = frozenset()
 

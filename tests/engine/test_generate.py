@@ -181,6 +181,32 @@ def test_a_fork_of_an_unaligned_parent_reuses_cached_blocks(tiny_model_dir):
     assert plain_computed == len(suffix) + GREEDY.max_tokens - 1
 
 
+def test_requests_admitted_together_find_the_blocks_computed_while_they_waited(tiny_model_dir):
+    """Four requests with one 50-token prompt arrive together; a step computes 16 tokens,
+    so the first prefills alone for three steps while the others wait in the running set.
+    Each asks the prefix cache when it first gets room, and takes the first one's three
+    full blocks (asked at admission, they found none). Outputs equal the uncached run."""
+    prompt = torch.randint(3, 49152, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    async def together(engine):
+        async with engine:
+            outs = await asyncio.gather(
+                *(complete(engine, f"r{i}", prompt, GREEDY) for i in range(4))
+            )
+            return outs, engine.stats_now()
+
+    def engine(cache: bool) -> Engine:
+        return Engine.from_pretrained(
+            tiny_model_dir, num_blocks=64, progress=False, max_batched_tokens=16, prefix_cache=cache
+        )
+
+    outs, on = asyncio.run(together(engine(True)))
+    plain, off = asyncio.run(together(engine(False)))
+    assert outs == plain and all(o == outs[0] for o in outs)
+    assert on.prefix_cache_hits == 3 * 48
+    assert off.tokens_computed - on.tokens_computed == 3 * 48
+
+
 def test_prefix_cache_is_salted(tiny_model_dir):
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(6)).tolist()
 

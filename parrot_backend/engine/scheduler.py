@@ -21,7 +21,9 @@ would otherwise plan a full step of throughput prefill (~0.6 s on a CPU), which 
 chain's next call waits for.
 Waiting requests are admitted by priority, then arrival. A request asks the token-level
 prefix cache when it first gets room in a step (again after a preemption), so requests
-admitted together find the blocks that earlier ones computed while they waited.
+admitted together find the blocks that earlier ones computed while they waited; one whose
+next blocks (`DEDUPE_MIN_TOKENS` or more) another request computes in the same step starts
+a step later and takes them from the cache.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
 blocks). When blocks run out the newest running
@@ -53,6 +55,12 @@ class Work:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the context, so the step samples a token."""
         return self.req.kind == "generate" and self.start + self.n == len(self.req.ctx.tokens)
+
+
+# A request whose next blocks another request computes in this step waits for the next
+# step (and takes them from the prefix cache) when they hold at least this many tokens
+# (SmolLM2 on 2 cores: 64 tokens ~65 ms of a step, a decode step ~35 ms).
+DEDUPE_MIN_TOKENS = 64
 
 
 def _urgency(req: Request) -> tuple[int, int]:
@@ -121,6 +129,7 @@ class Scheduler:
         budget = self.max_batched_tokens
         work: list[Work] = []
         planned: set[int] = set()
+        computing: set[int] = set()  # chain hashes of the full blocks this step completes
         # decodes first (one token each), then prefills; both by priority, then arrival
         order = sorted(self.running, key=lambda r: (r.pending > 1, r.priority, r.seq))
         # the most urgent priority with work this step: less urgent work rides along in a
@@ -164,8 +173,14 @@ class Scheduler:
                 # admitted together, and the later ones find the blocks the first computed
                 # meanwhile (8 concurrent 1,024-token prompts: the rest hit at admission only
                 # where they came a step late, 4,600-8,200 of 8,200 tokens computed)
-                req.matched = True
                 self._match_prefix(ctx)
+                if self._in_flight(ctx, computing) >= DEDUPE_MIN_TOKENS:
+                    # its next blocks are being computed in this step by another request: it
+                    # starts next step and takes them from the cache. Not for a block or two
+                    # (forks whose first own block holds the same text): a step more for
+                    # the request would cost more than computing them twice
+                    continue
+                req.matched = True
             if req.kind == "generate" and req.pending == 0:
                 kept = ctx.last_hidden
                 if kept is not None and kept[0] == len(ctx.tokens) and req.generated == 0:
@@ -204,6 +219,11 @@ class Scheduler:
                     )
                 continue
             ctx.last_used = self.clock
+            if self.pool.prefix_cache:
+                bs = self.pool.block_size
+                # block j - 1 ends in this chunk: its cache key is the chain hash of j blocks
+                first, end = ctx.num_computed // bs + 1, (ctx.num_computed + n) // bs + 1
+                computing.update(ctx.block_hash(j) for j in range(first, end))
             work.append(Work(req, ctx.num_computed, n))
             planned.add(id(req))
             budget -= n
@@ -275,6 +295,15 @@ class Scheduler:
             else:
                 ctx.blocks.append(block)
             ctx.num_computed = (k + 1) * bs
+
+    def _in_flight(self, ctx: Context, computing: set[int]) -> int:
+        """Tokens of the context's next uncomputed full blocks that are among `computing`
+        (the run of them from its first uncomputed block on)."""
+        bs = self.pool.block_size
+        j = ctx.num_computed // bs + 1
+        while j * bs <= len(ctx.tokens) and ctx.block_hash(j) in computing:
+            j += 1
+        return (j - 1 - ctx.num_computed // bs) * bs
 
     def _reserve(self, req: Request, start: int, n: int, planned: set[int]) -> bool:
         """Make blocks [start, start + n) writable for this context, preempting if needed."""

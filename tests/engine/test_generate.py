@@ -207,6 +207,36 @@ def test_requests_admitted_together_find_the_blocks_computed_while_they_waited(t
     assert off.tokens_computed - on.tokens_computed == 3 * 48
 
 
+def test_a_request_waits_a_step_for_blocks_another_computes_in_it(tiny_model_dir):
+    """Four requests with one 208-token prompt (13 blocks), 128-token steps: the first
+    computes blocks 0-7, then blocks 8-12 with room left over. The others would start in
+    that step and compute blocks 8-10 again; they start in the next one instead and take
+    all 13 blocks from the cache (each recomputes its last token only, for its logits)."""
+    prompt = torch.randint(3, 49152, (208,), generator=torch.Generator().manual_seed(10)).tolist()
+
+    async def together(engine):
+        async with engine:
+            outs = await asyncio.gather(
+                *(complete(engine, f"r{i}", prompt, GREEDY) for i in range(4))
+            )
+            return outs, engine.stats_now()
+
+    def engine(cache: bool) -> Engine:
+        return Engine.from_pretrained(
+            tiny_model_dir,
+            num_blocks=128,
+            progress=False,
+            max_batched_tokens=128,
+            prefix_cache=cache,
+        )
+
+    outs, on = asyncio.run(together(engine(True)))
+    plain, off = asyncio.run(together(engine(False)))
+    assert outs == plain and all(o == outs[0] for o in outs)
+    assert on.prefix_cache_hits == 3 * 208
+    assert off.tokens_computed - on.tokens_computed == 3 * 207
+
+
 def test_prefix_cache_is_salted(tiny_model_dir):
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(6)).tolist()
 

@@ -206,6 +206,58 @@ def test_prompt_tokens_are_whole_text_tokens_and_prefixes_agree(
             assert same[0].key == p.key and same[0].n_tokens == p.n_tokens
 
 
+PIECES = st.sampled_from(
+    [
+        *WORDS,
+        " ",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        ".",
+        ",",
+        ":",
+        "'s",
+        "don't",
+        "é",
+        "1",
+        "2024",
+        "!!",
+        "\t",
+        "x" * 300,
+        " " * 300,
+        "ab" * 200,
+        "<|im_end|>",
+        "\u00a0",
+    ]
+)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.sampled_from(["smollm2", "bytelevel", "metaspace"]),
+    st.lists(PIECES, min_size=1, max_size=60).map("".join),
+    st.lists(PIECES, min_size=1, max_size=60).map("".join),
+)
+def test_a_long_text_is_cut_where_its_whole_pre_tokenization_cuts_it(engines, name, a, b):
+    """`stable_cut` pre-tokenizes a long text's last characters only; the cut is the one
+    the whole text's pre-tokens give (runs of one character longer than the window too)."""
+    tokens = PromptTokenizer.for_engine(engines[name])
+    pre = tokens._pre
+    for text in (a + b, a * 4 + b, "x" * 1000 + b, a + " " * 700 + b):
+        start = 0
+        for m in tokens._special_re.finditer(text):
+            start = m.end()
+        tail = text[start:]
+        spans = pre(tail)
+        want = start + (spans[-1][1][0] if spans else 0) if tail else len(text)
+        assert tokens.stable_cut(text) == want, (text[-80:], len(text))
+
+
 def test_smollm2_boundaries_that_merge_still_share_their_stable_part(engines):
     engine = engines["smollm2"]
     tokens = PromptTokenizer.for_engine(engine)

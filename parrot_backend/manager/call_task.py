@@ -1,6 +1,7 @@
 """The per-call task: one ready call run on the engine the dispatcher chose.
 
-`run_call` is the task's whole life: `call_started`; attach the call's shared prefixes
+`run_call` is the task's whole life: `call_started` (recorded while the engine starts; the
+call's first token waits for it); attach the call's shared prefixes
 (`sharing.py`: filled once, pinned while the call runs); make room by evicting idle
 prefixes; run the plan (`CallRunner`); `call_finished`; and always free what it created.
 How it ends:
@@ -215,45 +216,66 @@ async def run_call(
     runner = CallRunner(m.engines[engine_id], run.salt, priority, m.tokens.value)
     keys: list[str] = []
     error: str | None = None
+    claim: asyncio.Task[object] | None = None
     try:
         started = {"call": name, "engine": engine_id, "objective": objective, "group": group}
         if m.listeners:
-            await events.emit(run, "call_started", started)
+            # `call_started` is recorded (in a store: this process's claim on the call)
+            # while the engine starts: the call's first token and value wait for it, so no
+            # one sees the call before its start. Awaiting it first held the engine back
+            # by a commit, and a fan-out's calls by one commit each in turn (the run's
+            # events are written in order): 8 calls' last one started ~50 ms late
+            claim = asyncio.ensure_future(events.emit(run, "call_started", started))
         else:  # what `emit` does without listeners, without a coroutine
             run.log.append("call_started", started)
-        # attach first: it pins the prefixes this call uses, so making room for the
-        # rest of the call cannot evict them
-        if r.shared:
-            attached = await m.sharing.attach(
-                engine_id, r.shared, r.plan.prompt, run.salt, priority
+        try:
+            # attach first: it pins the prefixes this call uses, so making room for the
+            # rest of the call cannot evict them
+            if r.shared:
+                attached = await m.sharing.attach(
+                    engine_id, r.shared, r.plan.prompt, run.salt, priority
+                )
+            else:  # what attach gives for no prefixes, without its coroutine
+                attached = Attached(None, 0)
+            keys = attached.keys
+            if m.sharing.table.has_idle(engine_id):  # make_room's own first test
+                await m.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
+
+            async def on_token(step: Step, delta: TokenDelta) -> None:
+                if claim is not None:
+                    await claim  # (done after the first token: no wait)
+                await events.emit(
+                    run,
+                    "token",
+                    {
+                        "call": name,
+                        "variable": step.output,
+                        "text": delta.text,
+                        "token_id": delta.token_id,
+                    },
+                )
+
+            async def on_value(step: Step, value: str) -> None:
+                if claim is not None:
+                    await claim
+                await events.set_value(run, step.output, value, source="call", call=name)
+
+            known: dict[str, str] = {}  # outputs recovered (a store's resume) are filled
+            values = run.values
+            for o in run.program.calls[name].outputs:
+                if o in values:
+                    known[o] = values[o]
+            await runner.run(
+                r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value
             )
-        else:  # what attach gives for no prefixes, without its coroutine
-            attached = Attached(None, 0)
-        keys = attached.keys
-        if m.sharing.table.has_idle(engine_id):  # make_room's own first test
-            await m.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
-
-        async def on_token(step: Step, delta: TokenDelta) -> None:
-            await events.emit(
-                run,
-                "token",
-                {
-                    "call": name,
-                    "variable": step.output,
-                    "text": delta.text,
-                    "token_id": delta.token_id,
-                },
-            )
-
-        async def on_value(step: Step, value: str) -> None:
-            await events.set_value(run, step.output, value, source="call", call=name)
-
-        known: dict[str, str] = {}  # outputs recovered (a store's resume) are filled
-        values = run.values
-        for o in run.program.calls[name].outputs:
-            if o in values:
-                known[o] = values[o]
-        await runner.run(r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value)
+            if claim is not None:
+                await claim
+        except Exception:
+            # the call's own error, unless its start could not be recorded because another
+            # manager holds the call: then the run is theirs (below)
+            if claim is not None and await _claimed_elsewhere(claim):
+                await claim  # raises RunOwnedElsewhere
+            raise
         finished = {
             "call": name,
             "prompt_tokens": len(r.plan.prompt),
@@ -262,6 +284,8 @@ async def run_call(
             "finish_reasons": runner.finishes,
         }
     except asyncio.CancelledError:
+        if claim is not None:
+            claim.cancel()  # as cancelling the awaited emit did (its write runs to its end)
         await _cleanup(m, runner, engine_id, keys)
         raise
     except RunOwnedElsewhere:
@@ -299,6 +323,13 @@ async def run_call(
     except Exception:  # the failure itself cannot be recorded: keep the state honest
         log.exception("run %s: recording the failure of call %r failed", run.run_id, name)
         run.calls[name].state, run.calls[name].error = "failed", error
+
+
+async def _claimed_elsewhere(claim: asyncio.Task[object]) -> bool:
+    """Wait for a call's `call_started` to be recorded; whether it failed because another
+    manager holds the call."""
+    await asyncio.wait([claim])
+    return not claim.cancelled() and isinstance(claim.exception(), RunOwnedElsewhere)
 
 
 async def _cleanup(m: Manager, runner: CallRunner, engine_id: str, keys: list[str]) -> None:

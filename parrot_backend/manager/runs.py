@@ -114,6 +114,10 @@ class Run:
     deduction: Deduction | None = None
     state: RunPhase = "running"
     _lock: asyncio.Lock | None = field(default=None, init=False, repr=False)
+    # values waiting to be told to the listeners together (`RunTransitions.set_value`)
+    value_outbox: list[tuple[dict[str, Any], asyncio.Future[None]]] = field(
+        default_factory=list, init=False, repr=False
+    )
 
     @property
     def lock(self) -> asyncio.Lock:

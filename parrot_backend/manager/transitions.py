@@ -37,6 +37,7 @@ class RunTransitions:
         wake: asyncio.Event,
     ) -> None:
         self.listeners = listeners
+        self._delivering: set[asyncio.Task[None]] = set()  # groups of values being told
         self.queue = queue
         self.clock = clock
         self.wake = wake
@@ -70,7 +71,7 @@ class RunTransitions:
         """Give a variable its value; its readers with every input set become ready."""
         payload = {"name": name, "value": value, "source": source, "call": call}
         if self.listeners:
-            await self.emit(run, "variable_ready", payload)
+            await self._emit_value(run, payload)
         else:
             run.log.append("variable_ready", payload)
         run.values[name] = value
@@ -78,6 +79,52 @@ class RunTransitions:
         var = run.program.variables.get(name)
         if var is not None:
             self.ready_calls(run, var.consumers)
+
+    async def _emit_value(self, run: Run, payload: dict[str, Any]) -> None:
+        """`emit` of a `variable_ready`, grouped: the values that arrive while the run's
+        events wait to be written (a fan-out's calls ending in one engine step) are told
+        to the listeners together, in arrival order: `on_values(run_id, payloads)` where
+        a listener has it (the store then commits them in one transaction, not one commit
+        each in turn: 8 values took ~25 ms after the last engine step), else `on_event`
+        for each. A listener that raises fails every value of the group. The group is
+        written by a task of its own, so a caller cancelled while it waits (its run
+        cancelled) takes no value of the others down with it."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        run.value_outbox.append((payload, fut))
+        if len(run.value_outbox) == 1:  # the first of a group: it writes the group
+            task = asyncio.create_task(self._deliver_values(run))
+            self._delivering.add(task)
+            task.add_done_callback(self._delivering.discard)
+        await fut
+
+    async def _deliver_values(self, run: Run) -> None:
+        async with run.lock:  # after the run's earlier events, as `emit`
+            group, run.value_outbox = run.value_outbox, []
+            payloads = [p for p, _ in group]
+            try:
+                for listener in self.listeners:
+                    many = getattr(listener, "on_values", None)
+                    if many is not None:
+                        await many(run.run_id, payloads)
+                    else:
+                        for p in payloads:
+                            await listener.on_event(run.run_id, "variable_ready", p)
+            except BaseException as exc:
+                for _, f in group:
+                    if not f.done():
+                        f.set_exception(
+                            exc
+                            if isinstance(exc, Exception)
+                            else RuntimeError(f"writing the value failed: {exc!r}")
+                        )
+                        f.exception()  # (a cancelled caller never retrieves it)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            for p, f in group:
+                run.log.append("variable_ready", p)
+                if not f.done():
+                    f.set_result(None)
 
     async def fail_calls(self, run: Run, failing: dict[str, str], ran: bool = True) -> None:
         """Fail calls (name -> reason), their unfinished outputs, and everything downstream.

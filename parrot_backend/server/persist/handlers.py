@@ -187,6 +187,23 @@ async def on_variable_ready(
     await p.txn(meta, work, single=len(events) == 1)
 
 
+async def on_variables_ready(
+    p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
+) -> None:
+    """Several values of the run at once (`StorePersister.on_values`): one transaction.
+    A value already stored (a recovered run's) is not logged again, as alone."""
+    st = p.store
+    values = {v["name"]: v["value"] for v in payload["values"]}
+
+    def work() -> None:
+        changed = set(st.set_variables(run_id, values))
+        kept = [(t, q) for t, q in events if t != "variable_ready" or q["name"] in changed]
+        if kept:
+            st.append_events([(run_id, t, q) for t, q in kept])
+
+    await p.txn(meta, work)
+
+
 async def on_variable_failed(
     p: StorePersister, run_id: str, meta: RunMeta, payload: dict, events: Events
 ) -> None:
@@ -235,6 +252,7 @@ HANDLERS: dict[str, Handler] = {
     "run_closed": on_run_closed,
     "call_started": on_call_started,
     "variable_ready": on_variable_ready,
+    "variables_ready": on_variables_ready,  # (several at once: not a manager event type)
     "variable_failed": on_variable_failed,
     "call_failed": on_call_failed,
     "run_finished": on_run_finished,

@@ -148,12 +148,37 @@ class StorePersister:
             await self._write(run_id, meta, type, payload, events)
         self.notifier.wake(run_id)
 
+    async def on_values(self, run_id: str, payloads: list[dict[str, Any]]) -> None:
+        """Persist several `variable_ready` events of one run in one transaction (the
+        manager groups the values that arrive together); returns once committed."""
+        if len(payloads) == 1:
+            await self.on_event(run_id, "variable_ready", payloads[0])
+            return
+        if self.frozen:
+            return
+        meta = self.runs.get(run_id)
+        if meta is None:
+            raise RuntimeError(f"run {run_id} was not announced to the persister")
+        async with meta.lock:
+            events = [*meta.buffered, *(("variable_ready", p) for p in payloads)]
+            meta.buffered = []
+            group = {"values": payloads}
+            await self._write(run_id, meta, "variables_ready", group, events, own=len(payloads))
+        self.notifier.wake(run_id)
+
     async def _write(
-        self, run_id: str, meta: RunMeta, type: str, payload: dict, events: list[tuple[str, Any]]
+        self,
+        run_id: str,
+        meta: RunMeta,
+        type: str,
+        payload: dict,
+        events: list[tuple[str, Any]],
+        own: int = 1,
     ) -> None:
         """Run the event's handler: its store work is one transaction (`txn`), with the
         run's buffered events and call ends. When that transaction fails, they are put
-        back in the buffers for the next write; the event itself fails to the manager."""
+        back in the buffers for the next write; the event itself (the last `own` events)
+        fails to the manager."""
         finishes, meta.finishes = meta.finishes, []
         meta.pending, meta.committed = finishes, False
         handler = HANDLERS.get(type, on_other)
@@ -162,7 +187,7 @@ class StorePersister:
         except BaseException:
             if not meta.committed:
                 meta.finishes[:0] = finishes
-                meta.buffered[:0] = events[:-1]
+                meta.buffered[:0] = events[: len(events) - own]
             raise
         finally:
             meta.pending = []

@@ -2,12 +2,13 @@
 when the first engine step starts after the client begins, gaps between steps (3 ms or
 more listed as (ms, index)), and the time from the last step to the client's end.
 
-    .venv/bin/python benchmarks/results/apps/overhead-probe/gaps.py URL PAIRS [SEED]
+    .venv/bin/python benchmarks/results/apps/overhead-probe/gaps.py URL PAIRS [SEED [WORKLOAD]]
 
 URL: a bench server (`benchmarks/appbench/serve.py`), whose step log has each step's
 `time.perf_counter()` (one clock for the processes of one machine). SEED (default 700)
 picks the texts: a second probe on the same server needs another (at least 2 x PAIRS x 17
-apart), or it finds the first one's prompts in the engine's cache.
+apart), or it finds the first one's prompts in the engine's cache. WORKLOAD: one of
+`appbench/workloads.py` (default shared_prompt), at its CPU size.
 """
 
 import asyncio
@@ -21,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from appbench import modes, workloads  # noqa: E402
 
 
-async def main(url: str, pairs: int, seed: int = 700) -> None:
+async def main(url: str, pairs: int, seed: int = 700, name: str = "shared_prompt") -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         for i in range(pairs):
             for mode in ("parrot", "request-level") if i % 2 == 0 else ("request-level", "parrot"):
-                wl = workloads.build("shared_prompt", seed + 17 * i + (mode == "parrot"))
+                wl = workloads.build(name, seed + 17 * i + (mode == "parrot"))
                 mark = await modes.step_mark(http)
                 t0 = time.perf_counter()
                 if mode == "parrot":
@@ -51,4 +52,5 @@ async def main(url: str, pairs: int, seed: int = 700) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 700))
+    argv = sys.argv[1:]
+    asyncio.run(main(argv[0], int(argv[1]), *([int(argv[2])] if argv[2:] else []), *argv[3:4]))

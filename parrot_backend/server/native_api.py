@@ -309,7 +309,7 @@ async def get_variable(
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
-            var = await asyncio.to_thread(rt.store.get_variable, tenant_id, run_id, name)
+            var = await rt.read_variable(tenant_id, run_id, name)
         except NotFoundError as exc:
             raise APIError(404, str(exc), code="variable_not_found") from None
         if var.status != "pending":

@@ -20,7 +20,7 @@ from typing import Any
 from parrot_backend.contract.engine import EngineClient
 from parrot_backend.manager.manager import Manager, ManagerConfig
 from parrot_backend.program import ProgramError, ProgramSpec, RunSpec
-from parrot_backend.store import NotFoundError, RunRecord, Store
+from parrot_backend.store import NotFoundError, RunRecord, Store, VariableRecord
 
 from .auth import tenant_salt
 from .notify import Notifier
@@ -73,6 +73,9 @@ class NativeRuntime:
         self.manager = Manager(engines, config=manager_config, listeners=listeners)
         self.keep_finished_s = keep_finished_s
         self._tenants: dict[str, int] = {}
+        # reads of a live run's variables in flight: (tenant id, run id) -> (the run's
+        # last event when the read began, the read)
+        self._reads: dict[tuple[int, str], tuple[int, asyncio.Future[dict]]] = {}
         self._forget_tasks: set[asyncio.Task[None]] = set()
         self.recovered: list[str] = []
 
@@ -143,6 +146,35 @@ class NativeRuntime:
         tenant_id = await self.tenant_id(tenant)
         detail = await asyncio.to_thread(self.store.get_run, tenant_id, run_id)
         return detail.run
+
+    async def read_variable(self, tenant_id: int, run_id: str, name: str) -> VariableRecord:
+        """A variable as the store has it. For a run this manager holds, one read of all
+        its variables serves every asker that needs no event the run logged after the read
+        began (events are logged once committed): a fan-out's long polls, answered
+        together, read once, not once each (8 reads on threads at once took ~17 ms)."""
+        run = self.manager.runs.get(run_id)
+        if run is None:
+            return await asyncio.to_thread(self.store.get_variable, tenant_id, run_id, name)
+        key, seq = (tenant_id, run_id), len(run.log.events)
+        read = self._reads.get(key)
+        if read is None or read[0] < seq:
+            task = asyncio.ensure_future(
+                asyncio.to_thread(self.store.get_variables, tenant_id, run_id)
+            )
+            read = self._reads[key] = (seq, task)
+
+            def done(t: asyncio.Future[dict], key=key, read=read) -> None:
+                if self._reads.get(key) is read:
+                    del self._reads[key]
+                if not t.cancelled():
+                    t.exception()  # (retrieved: every asker may have gone)
+
+            task.add_done_callback(done)
+        records = await asyncio.shield(read[1])  # an asker that leaves ends no one's read
+        try:
+            return records[name]
+        except KeyError:
+            raise NotFoundError(f"run {run_id!r} has no variable {name!r}") from None
 
     def live(self, tenant: str, run_id: str) -> bool:
         """Whether the manager holds this tenant's run in memory."""

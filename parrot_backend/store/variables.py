@@ -139,6 +139,13 @@ class VariablesMixin(StoreBase):
             )
             return bool(result.rowcount)
 
+    def get_variables(self, tenant_id: int, run_id: str) -> dict[str, VariableRecord]:
+        """Every variable of a tenant's run, by name, in one read."""
+        with self._read() as s:
+            _run(s, run_id, tenant_id)
+            found = s.scalars(select(Variable).where(Variable.run_id == run_id))
+            return {v.name: variable_record(v) for v in found}
+
     def get_variable(self, tenant_id: int, run_id: str, name: str) -> VariableRecord:
         """One variable of a tenant's run."""
         with self._read() as s:

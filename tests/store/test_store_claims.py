@@ -311,3 +311,19 @@ def test_batch_without_savepoints_is_all_or_nothing(store: Store, tenant: int) -
     detail = store.get_run(tenant, run)
     assert detail.calls[1].status == "pending"
     assert [e.type for e in store.read_events(tenant, run)] == ["started", "ready"]
+
+
+def test_get_variables_reads_a_runs_variables_as_get_variable_does(store: Store) -> None:
+    a, _ = store.create_tenant("a")
+    b, _ = store.create_tenant("b")
+    run = store.create_run(a.id, {}, chain_calls(2), {"x0": "a"}).run.id
+    store.set_variables(run, {"x1": "b"})
+    got = store.get_variables(a.id, run)
+    assert set(got) == {"x0", "x1", "x2"}
+    for name, record in got.items():
+        assert record == store.get_variable(a.id, run, name)
+    assert (got["x1"].status, got["x1"].value, got["x2"].status) == ("ready", "b", "pending")
+    with pytest.raises(NotFoundError):
+        store.get_variables(b.id, run)  # another tenant's run looks missing
+    with pytest.raises(NotFoundError):
+        store.get_variables(a.id, "no-such-run")

@@ -287,8 +287,12 @@ async def get_variable(
     objectives the client stated (the run's `outputs`, an earlier `perf`) stand, and a
     run with none stated waits with latency. A failed variable answers with
     `status: failed`."""
-    await owned(rt, tenant, run_id)
-    if rt.live(tenant, run_id):
+    live = rt.live(tenant, run_id)
+    if not live:
+        # (a run this manager holds for the tenant is the tenant's: no store read, which
+        # a fan-out's polls, arriving as its calls render, would each make in full)
+        await owned(rt, tenant, run_id)
+    if live:
         # once the manager has the value (or the failure) the store has it too (committed
         # first): the answer below comes from the store, with its producer and time
         try:

@@ -1,7 +1,8 @@
 """Long polls of a live run's variables read the store once together: a fan-out's
 outputs, answered at once, take one read of the run's variables (`read_variable`), and
-each answer equals what the store's own per-variable read gives. An unknown variable and
-another tenant's run stay 404s."""
+each answer equals what the store's own per-variable read gives; the polls read no run
+record (the manager holds the run). An unknown variable and another tenant's run stay
+404s."""
 
 from __future__ import annotations
 
@@ -39,8 +40,16 @@ async def test_a_fan_outs_long_polls_share_one_store_read(tmp_path) -> None:
             many.append(run_id)
             return all_(tenant_id, run_id)
 
+        runs_read: list[str] = []
+        whole = rt.store.get_run
+
+        def get_run(tenant_id, run_id):
+            runs_read.append(run_id)
+            return whole(tenant_id, run_id)
+
         rt.store.get_variable = get_variable  # type: ignore[method-assign]
         rt.store.get_variables = get_variables  # type: ignore[method-assign]
+        rt.store.get_run = get_run  # type: ignore[method-assign]
         polls = [
             asyncio.create_task(c.get(f"/v1/runs/{rid}/variables/p{i}", params={"timeout": 20}))
             for i in range(FAN)
@@ -50,10 +59,15 @@ async def test_a_fan_outs_long_polls_share_one_store_read(tmp_path) -> None:
                 break
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
+        # another tenant's poll of the live run: a 404, as for a missing run
+        other = await c.get(f"/v1/runs/{rid}/variables/p0", params={"timeout": 1}, headers=BOB)
+        assert other.status_code == 404
         gate.set()  # the calls end together: their values are committed as one group
         answers = [(await p).json() for p in polls]
         assert [a["status"] for a in answers] == ["ready"] * FAN
         assert reads == []
+        # the polls checked the live run's tenant in memory (only bob's poll read the run)
+        assert runs_read == [rid]
         assert 1 <= len(many) < FAN  # shared: fewer reads than polls (one when they coincide)
         tenant = await rt.tenant_id("alice")
         for i, a in enumerate(answers):

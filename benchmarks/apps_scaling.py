@@ -9,8 +9,11 @@ from the engine's own counters (`/bench/engine`), so they are exact whatever the
 noise. Each point runs `--reps` times (default 2), the mode that goes first alternating,
 each repetition on texts of its own; the table gives the median JCTs, their ratio and each
 repetition's ratio (single runs of the one-user points read 0.72-1.62x on this shared
-host). Writes `scaling.json`, `scaling.md` and `scaling.png` into `--out` (default
-`benchmarks/results/apps`).
+host). Every call generates `--gen` tokens in both modes (`ignore_eos`): texts that differ
+between the modes would otherwise stop at EOS after different counts (a probe of one user
+at 256 tokens, 16-token answers: 17 engine steps in each parrot run, 11-17 in the
+request-level runs); `--eos` lets calls stop there. Writes `scaling.json`, `scaling.md`
+and `scaling.png` into `--out` (default `benchmarks/results/apps`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ async def sweep(url: str, args, tok, bar) -> list[dict]:
                         mi = order.index(mode)
                         # texts of its own per run: no run finds another's prompt cached
                         seed = 70_000 + 100 * p + 10 * n + mi + 100_000 * rep
-                        wl = workloads.shared_prompt(seed, users=n, prompt=p, gen=args.gen)
+                        wl = workloads.shared_prompt(
+                            seed, users=n, prompt=p, gen=args.gen, ignore_eos=not args.eos
+                        )
                         bar.set_description(f"P={p} N={n} {mode} rep {rep + 1}")
                         if mode == "parrot":
                             run = await modes.run_parrot(http, wl, 0.0)
@@ -59,6 +64,7 @@ async def sweep(url: str, args, tok, bar) -> list[dict]:
                         reps[mode].append(
                             {
                                 "jct": s["jct"],
+                                "tokens": s["tokens"],
                                 "prefill_computed": s.get("prefill_computed"),
                                 "prompt_tokens": s["prompt_tokens"],
                                 "unique_prompt_tokens": s["unique_prompt_tokens"],
@@ -70,6 +76,7 @@ async def sweep(url: str, args, tok, bar) -> list[dict]:
                     row[mode] = {
                         "jct": statistics.median(r["jct"] for r in runs),
                         "jcts": [r["jct"] for r in runs],
+                        "tokens": [r["tokens"] for r in runs],  # generated, per repetition
                         # token counts repeat exactly between runs; the median guards a stray one
                         "prefill_computed": _median(r["prefill_computed"] for r in runs),
                         "prompt_tokens": runs[0]["prompt_tokens"],
@@ -154,6 +161,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--users", type=int, nargs="+", help="N values (default 1 4 16)")
     ap.add_argument("--prompt", type=int, nargs="+", help="P values (default 256 1024)")
     ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument(
+        "--eos", action="store_true", help="let calls stop at EOS (default: all --gen tokens)"
+    )
     ap.add_argument(
         "--reps", type=int, default=2, help="runs per mode and point, order alternating"
     )

@@ -190,6 +190,8 @@ async def run_request_level(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if call.ignore_eos:
+            body["ignore_eos"] = True
         text, first, usage = [], None, {}
         async with http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
             if r.status_code != 200:

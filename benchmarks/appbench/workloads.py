@@ -24,6 +24,9 @@ class Call:
     name: str
     template: str
     max_tokens: int
+    # generate max_tokens whatever the model says (both modes): equal lengths where the
+    # texts differ between modes, as they must (no run may find another's prompt cached)
+    ignore_eos: bool = False
 
     @property
     def output(self) -> str:
@@ -39,11 +42,10 @@ class Call:
         return INPUT.sub(lambda m: values[m.group(1)], head)
 
     def spec(self) -> dict:
-        return {
-            "name": self.name,
-            "template": self.template,
-            "outputs": {self.output: {"max_tokens": self.max_tokens, "temperature": 0}},
-        }
+        config: dict = {"max_tokens": self.max_tokens, "temperature": 0}
+        if self.ignore_eos:
+            config["ignore_eos"] = True
+        return {"name": self.name, "template": self.template, "outputs": {self.output: config}}
 
 
 @dataclass
@@ -88,13 +90,13 @@ SIZES = {
 }
 
 
-def shared_prompt(seed: int, users: int, prompt: int, gen: int) -> Workload:
+def shared_prompt(
+    seed: int, users: int, prompt: int, gen: int, ignore_eos: bool = False
+) -> Workload:
     """N users ask one assistant whose long system prompt is the shared prefix."""
     system = _safe(texts.system_prompt(seed, prompt))
-    calls = [
-        Call(f"user{i}", system + _n("\n\nUser: {{input:q#}}\nAssistant: {{output:a#}}", i), gen)
-        for i in range(users)
-    ]
+    turn = "\n\nUser: {{input:q#}}\nAssistant: {{output:a#}}"
+    calls = [Call(f"user{i}", system + _n(turn, i), gen, ignore_eos) for i in range(users)]
     inputs = {f"q{i}": texts.question(seed * 100 + i) for i in range(users)}
     return Workload(
         "shared_prompt",

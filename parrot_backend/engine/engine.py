@@ -46,6 +46,11 @@ __all__ = ["Engine", "EngineConfig", "compute_executor"]
 class Engine(StepLoop):
     """Serves one model. Create with `Engine.from_pretrained`, then `await start()`."""
 
+    # a fork submitted while its parent's fill is queued (in order, on one event loop)
+    # joins the step that completes the fill (`scheduler.py`): the manager need not wait
+    # for a prefix's fill before submitting the call that forks from it
+    joins_forks = True
+
     def __init__(
         self,
         model,

@@ -166,6 +166,9 @@ class StepLoop:
                         continue
                     self._wake.clear()
                     await self._wake.wait()
+                    # woken from idle by a request: let its caller's next ones in too (a
+                    # fork submitted just after its parent's fill joins the fill's step)
+                    await self._let_callers_run()
                     continue
                 if self._fail_at_step is not None and self.steps >= self._fail_at_step:
                     raise RuntimeError(f"injected fault at step {self.steps}")
@@ -229,7 +232,8 @@ class StepLoop:
         results: list[StepResult] = []
         for w in work:
             if w.req.done or w.req.ctx.freed:  # cancelled or freed meanwhile: nothing to do
-                results.append(None)
+                # (not None: its tokens are not computed, and must not be marked so)
+                results.append(StepFailed("cancelled while its step was retried"))
                 continue
             try:
                 results.extend(
@@ -268,9 +272,16 @@ class StepLoop:
     def _postprocess(self, work: list[Work], sampled: list[StepResult]) -> None:
         self.steps += 1
         bs = self.pool.block_size
+        joined = self.scheduler.joined
+        broken: set[int] = set()  # requests whose work in this step failed
         for w, token in zip(work, sampled, strict=True):
             req, ctx = w.req, w.req.ctx
+            pair = joined.get(id(req))
+            if pair is not None and id(pair[1]) in broken:
+                # a fork that joined its parent's step read the parent's KV of this step
+                token = StepFailed("its parent's tokens, computed in the same step, failed")
             if isinstance(token, BaseException):
+                broken.add(id(req))
                 # this request's computation failed (the step ran without it): its KV is
                 # not trusted, so nothing is marked computed
                 if not isinstance(token, EngineError):
@@ -303,6 +314,11 @@ class StepLoop:
             if token is None:
                 continue
             self._emit(req, token)
+        for fork, fill in joined.values():
+            if id(fill) in broken:
+                if not fork.ctx.freed:
+                    self.scheduler.unjoin(fork.ctx)
+                self._fail(fork, StepFailed("its parent's fill failed in the step it joined"))
 
     def _emit(self, req: Request, token: int) -> None:
         ctx, p = req.ctx, req.sampling

@@ -214,7 +214,7 @@ async def run_call(
     events = m.transitions
     priority = PRIORITY[objective]
     runner = CallRunner(m.engines[engine_id], run.salt, priority, m.tokens.value)
-    keys: list[str] = []
+    attached = Attached(None, 0)  # (until attach returns: no prefix, nothing pending)
     error: str | None = None
     claim: asyncio.Task[object] | None = None
     try:
@@ -237,11 +237,12 @@ async def run_call(
                 )
             else:  # what attach gives for no prefixes, without its coroutine
                 attached = Attached(None, 0)
-            keys = attached.keys
             if m.sharing.table.has_idle(engine_id):  # make_room's own first test
                 await m.sharing.make_room(engine_id, r.plan.n_tokens - attached.n_tokens)
 
             async def on_token(step: Step, delta: TokenDelta) -> None:
+                if attached.pending:  # a prefix fill it did not wait for: failed, it fails
+                    await attached.settle()
                 if claim is not None:
                     await claim  # (done after the first token: no wait)
                 await events.emit(
@@ -256,6 +257,8 @@ async def run_call(
                 )
 
             async def on_value(step: Step, value: str) -> None:
+                if attached.pending:
+                    await attached.settle()
                 if claim is not None:
                     await claim
                 await events.set_value(run, step.output, value, source="call", call=name)
@@ -268,6 +271,7 @@ async def run_call(
             await runner.run(
                 r.plan, attached.context_id, attached.n_tokens, known, on_token, on_value
             )
+            await attached.settle()
             if claim is not None:
                 await claim
         except Exception:
@@ -286,18 +290,18 @@ async def run_call(
     except asyncio.CancelledError:
         if claim is not None:
             claim.cancel()  # as cancelling the awaited emit did (its write runs to its end)
-        await _cleanup(m, runner, engine_id, keys)
+        await _cleanup(m, runner, engine_id, attached)
         raise
     except RunOwnedElsewhere:
         # another manager sharing the store holds this call: the run is theirs
-        await _cleanup(m, runner, engine_id, keys)
+        await _cleanup(m, runner, engine_id, attached)
         run.tasks.pop(name, None)
         log.info("run %s is run by another manager; dropping it here", run.run_id)
         await m.abandon(run.run_id)
         return
     except EngineUnavailable:
         # the engine is gone, not the call's fault: retire it and run the call elsewhere
-        await _cleanup(m, runner, engine_id, keys)
+        await _cleanup(m, runner, engine_id, attached)
         log.warning("engine %s unavailable; dispatching its calls elsewhere", engine_id)
         run.tasks.pop(name, None)  # this task ends here: not one for remove_engine to cancel
         await m.remove_engine(engine_id)
@@ -305,7 +309,7 @@ async def run_call(
         return
     except Exception as exc:  # an engine error fails this call only
         error = f"{type(exc).__name__}: {exc}"
-    await _cleanup(m, runner, engine_id, keys)
+    await _cleanup(m, runner, engine_id, attached)
     try:
         if error is None:
             if m.listeners:
@@ -332,13 +336,16 @@ async def _claimed_elsewhere(claim: asyncio.Task[object]) -> bool:
     return not claim.cancelled() and isinstance(claim.exception(), RunOwnedElsewhere)
 
 
-async def _cleanup(m: Manager, runner: CallRunner, engine_id: str, keys: list[str]) -> None:
-    """Count the call's tokens, free its contexts and release its prefixes."""
+async def _cleanup(m: Manager, runner: CallRunner, engine_id: str, attached: Attached) -> None:
+    """Count the call's tokens, free its contexts and release its prefixes (a prefix
+    fill it started and did not wait for, still going when it ends, is cancelled)."""
     m.tokens_generated += runner.tokens
     runner.tokens = 0
     try:
+        if attached.pending:
+            await attached.abandon()
         await runner.free()
-        if keys:
-            await m.sharing.release(engine_id, keys)
+        if attached.keys:
+            await m.sharing.release(engine_id, attached.keys)
     except EngineUnavailable:  # a dead engine holds nothing any more
         log.info("engine %s unavailable during cleanup", engine_id)

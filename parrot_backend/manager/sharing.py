@@ -13,9 +13,16 @@ Which prefixes are worth a context of their own (`shareable`):
   `static_min_tokens` tokens, even when only one call has it now: system prompts recur
   across runs, and the next run finds it filled. Not when every engine keeps a
   token-level prefix cache (`lone_static=False`): there the engine keeps the prompt's
-  blocks for the next run anyway, and filling the prefix on its own first costs the call
-  one engine step, as a fork starts once its parent's tokens are computed (one user on a
-  ~270-token prompt: 18 steps against request-level's 17, 53-58 ms more).
+  blocks for the next run anyway, and filling the prefix on its own first cost the call
+  one engine step where a fork starts once its parent's tokens are computed (one user on
+  a ~270-token prompt: 18 steps against request-level's 17, 53-58 ms more).
+
+On an engine whose forks join their parent's fill step (`joins_forks`: the in-process
+engine) the call that fills a prefix does not wait for the fill: it submits its own fork
+at once, the calls waiting for that prefix fork at once too, and the engine computes the
+fill and the forks in one step. The fill's outcome is checked before the filler's first
+token (`Attached.settle`): a failed fill fails that call, as before; a waiter's fork is
+computed from what the fill did compute (or fails with it in the step they shared).
 
 A call forks from the longest shareable prefix the engine holds or can fill. Prefixes are
 chained: filling a dynamic prefix forks it from the static one when that is filled on the
@@ -46,11 +53,43 @@ class Attached:
     """Where a call forks: `context_id` (None: from scratch) holding `n_tokens` of its prompt.
 
     `keys` are the prefixes the call holds a reference to; release them when it is done.
+    `pending`: fills of those prefixes this call started and did not wait for (an engine
+    that `joins_forks`); `settle` before the call's first token, `abandon` when it ends.
     """
 
     context_id: str | None
     n_tokens: int
     keys: list[str] = field(default_factory=list)
+    pending: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def settle(self) -> None:
+        """Wait for the pending fills; raises the first one's error."""
+        while self.pending:
+            task = self.pending[0]
+            try:
+                await asyncio.shield(task)  # raises its error
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not task.cancelled() or (current is not None and current.cancelling()):
+                    raise  # this call is being cancelled
+                # the fill's task was cancelled (not this call): the call must not end
+                # as if it were cancelled, with nothing recorded
+                raise PrefixUnavailable("filling the prefix was cancelled") from None
+            self.pending.pop(0)
+
+    async def abandon(self) -> None:
+        """Cancel the pending fills (the call ends without them) and wait for them."""
+        for task in self.pending:
+            task.cancel()
+        if self.pending:
+            await asyncio.wait(self.pending)
+        self.pending.clear()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A pending fill's error is raised by `settle`; one nobody settles is not logged."""
+    if not task.cancelled():
+        task.exception()
 
 
 def shareable(
@@ -149,7 +188,25 @@ class SharedPrefixes:
                     self._ready[prefix.key] = asyncio.get_running_loop().create_future()
                     self.table.acquire(prefix.key, self.clock())
                     out.keys.append(prefix.key)
-                    await self._fill(engine_id, prefix, out, prompt, salt, priority)
+                    if getattr(self.engines[engine_id], "joins_forks", False):
+                        above = Attached(out.context_id, out.n_tokens)
+                        task = asyncio.ensure_future(
+                            self._fill(engine_id, prefix, above, prompt, salt, priority)
+                        )
+                        task.add_done_callback(_retrieve)
+                        out.pending.append(task)
+                        # the task runs before this one goes on (tasks run in the order
+                        # they were scheduled): its fill is submitted, so the engine knows
+                        # the context before anything forks from it
+                        await asyncio.sleep(0)
+                        ready = self._ready[prefix.key]
+                        if not task.done() and not ready.done():
+                            # the calls waiting for it fork now too and join the fill's
+                            # step; if the fill fails, their forks compute what it did not
+                            # (the engine attaches a fork to what its parent computed)
+                            ready.set_result(None)
+                    else:
+                        await self._fill(engine_id, prefix, out, prompt, salt, priority)
                 else:
                     self.table.acquire(prefix.key, self.clock())
                     out.keys.append(prefix.key)
@@ -167,6 +224,7 @@ class SharedPrefixes:
                 # the entry's context: `context_id(key)`, made when it was inserted
                 out.context_id, out.n_tokens = entry.context_id, prefix.n_tokens
         except BaseException:
+            await out.abandon()
             await self.release(engine_id, out.keys)
             raise
         if out.context_id is not None:
@@ -202,7 +260,8 @@ class SharedPrefixes:
         self.fills[engine_id] += 1
         if above.context_id is not None:
             self.fork_tokens[engine_id] += above.n_tokens
-        ready.set_result(None)
+        if not ready.done():
+            ready.set_result(None)
 
     async def release(self, engine_id: str, keys: Sequence[str]) -> None:
         """The call that attached `keys` is done (its own contexts already freed)."""

@@ -57,6 +57,11 @@ class GenerationConfig(BaseModel):
         le=MAX_PENALTY,
         description="lowers a token's logit by this much per time it was generated",
     )
+    ignore_eos: bool = Field(
+        _PLAIN.ignore_eos,
+        description="generate past the end-of-sequence token, to max_tokens or a stop "
+        "(benchmarks that need equal lengths; the OpenAI routes' extension of the same name)",
+    )
     json_schema: dict[str, Any] | None = Field(
         None, description="the value is JSON matching this schema (`{}`: any JSON value)"
     )
@@ -80,6 +85,11 @@ class GenerationConfig(BaseModel):
             raise ValueError(
                 f"stop cannot be combined with {given[0]}: the grammar decides where the value ends"
             )
+        if given and self.ignore_eos:
+            raise ValueError(
+                f"ignore_eos cannot be combined with {given[0]}: the grammar decides where "
+                "the value ends"
+            )
         constraint = self.constraint()
         if constraint is not None:
             # the grammar library (llguidance, no torch) is loaded only for typed outputs
@@ -102,6 +112,8 @@ class GenerationConfig(BaseModel):
         for name in _PENALTIES:
             if data.get(name) == 0:
                 del data[name]
+        if data.get("ignore_eos") is False:
+            del data["ignore_eos"]
         return data
 
     @property
@@ -155,4 +167,5 @@ class GenerationConfig(BaseModel):
             constraint=self.constraint(),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            ignore_eos=self.ignore_eos,
         )

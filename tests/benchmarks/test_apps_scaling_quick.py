@@ -64,6 +64,8 @@ def test_scaling_repeats_each_point_and_reports_medians(scaling, tiny_model_dir,
             assert len(jcts) == 2 and all(j > 0 for j in jcts)
             assert r[mode]["jct"] == pytest.approx(statistics.median(jcts))
             assert r[mode]["prefill_computed"] > 0
+            # every call generates --gen tokens in both modes (ignore_eos): equal work
+            assert r[mode]["tokens"] == [2 * r["users"]] * 2
         assert r["rep_ratios"] == pytest.approx(
             [b / a for a, b in zip(r["parrot"]["jcts"], r["request-level"]["jcts"], strict=True)]
         )

@@ -1,10 +1,10 @@
 """Calls sharing a prompt fork from it in one engine step, through the native API with the
-real engine (tiny model): after the step that fills the shared prefix, the engine loop lets
-every caller run until no new request comes, so the call that filled the prefix and the
-calls that waited for it (woken later, through `asyncio.shield`) all fill their forks in
-the next step. A fixed three event-loop passes (the old rule) planned the filler's fork
-alone, then a decode step for it beside the others' first tokens (measured on SmolLM2 with
-8 users: two ~65 ms steps more per run)."""
+real engine (tiny model): the call that fills the shared prefix submits its fork without
+waiting for the fill, the calls waiting for that prefix are told as soon as the fill is
+sent, and every fork joins the fill's own step (the engine's forks join their parent's
+fill step). Before forks joined, the fill took a step alone and the forks the next (and a
+fixed three event-loop passes after a step, the older rule, split the forks further:
+measured on SmolLM2 with 8 users, two ~65 ms steps more per run)."""
 
 from __future__ import annotations
 
@@ -67,11 +67,14 @@ async def test_calls_sharing_a_prompt_fork_in_one_step(tiny_model_dir, tmp_path,
     await engine.start()
     try:
         steps, values = await _fork_steps(engine, tmp_path / "new")
+        # every call's fork joins the prefix's fill step (engine `scheduler.py`): the
+        # filler's, and those of the calls that waited for it (told when the fill is sent)
         assert steps == [USERS], steps
-        # the old rule (three passes, whatever came): the filler's fork went alone
+        # the older rule (three passes after a step, whatever came) split the forks when
+        # they came after the fill's step; joining it, they do not depend on that rule
         monkeypatch.setattr(step_loop, "MAX_YIELDS_AFTER_END", step_loop.YIELDS_AFTER_END)
         old_steps, old_values = await _fork_steps(engine, tmp_path / "old")
-        assert old_steps[0] == 1 and sum(old_steps) == USERS, old_steps
+        assert old_steps == [USERS], old_steps
         # the same greedy values either way (the engine's prefix cache is on: the second
         # run's prefix may come from it; only the step boundaries differ)
         assert old_values == values

@@ -8,7 +8,8 @@ URL: a bench server (`benchmarks/appbench/serve.py`), whose step log has each st
 `time.perf_counter()` (one clock for the processes of one machine). SEED (default 700)
 picks the texts: a second probe on the same server needs another (at least 2 x PAIRS x 17
 apart), or it finds the first one's prompts in the engine's cache. WORKLOAD: one of
-`appbench/workloads.py` (default shared_prompt), at its CPU size.
+`appbench/workloads.py` (default shared_prompt), at its CPU size, or with sizes of its own
+as `NAME:KEY=N,...` (`shared_prompt:users=1,prompt=256`: the scaling sweep's one user).
 """
 
 import asyncio
@@ -23,11 +24,13 @@ from appbench import modes, workloads  # noqa: E402
 
 
 async def main(url: str, pairs: int, seed: int = 700, name: str = "shared_prompt") -> None:
+    name, _, sizes = name.partition(":")
+    over = {k: int(v) for k, v in (kv.split("=") for kv in sizes.split(",") if kv)}
     async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         for i in range(pairs):
             for mode in ("parrot", "request-level") if i % 2 == 0 else ("request-level", "parrot"):
-                wl = workloads.build(name, seed + 17 * i + (mode == "parrot"))
+                wl = workloads.build(name, seed + 17 * i + (mode == "parrot"), **over)
                 mark = await modes.step_mark(http)
                 t0 = time.perf_counter()
                 if mode == "parrot":

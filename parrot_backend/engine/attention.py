@@ -41,6 +41,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (masked by seq_lens)
     block_size: int
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
+    # rows whose K/V is also written at a second slot (`copy_slots`): the parent's partial
+    # block in the copy of a fork that joined the parent's step
+    copy_rows: torch.Tensor | None = None
+    copy_slots: torch.Tensor | None = None
     # lazily built helpers for the torch backend
     cache: dict = field(default_factory=dict)
 

@@ -36,6 +36,10 @@ class Batch:
     # compute): (index in the step's work, hidden state, sampler)
     kept: list[tuple[int, torch.Tensor, Sampler]]
     size: int  # rows of work in the step
+    # KV written twice: the flat batch's row `copy_rows[i]` also at `copy_slots[i]` (the
+    # parent's partial block, in a fork that joined the parent's step)
+    copy_rows: list[int]
+    copy_slots: list[int]
 
 
 # a token, the error of this row, a fill's kept last hidden state, or nothing
@@ -109,6 +113,8 @@ class ModelRunner:
         keep: list[bool] = []
         rows: list[int] = []
         kept: list[tuple[int, torch.Tensor, Sampler]] = []
+        copy_rows: list[int] = []
+        copy_slots: list[int] = []
         for j, w in enumerate(work):
             ctx = w.req.ctx
             end = w.start + w.n
@@ -116,6 +122,9 @@ class ModelRunner:
                 kept.append((j, ctx.last_hidden[1], w.req.sampler))
                 continue
             rows.append(j)
+            for p, slot in w.copies or ():
+                copy_rows.append(len(ids) + p - w.start)
+                copy_slots.append(slot)
             keep.append(w.req.kind == "fill" and end == len(ctx.tokens))
             ids.extend(ctx.tokens[w.start : end])
             positions.extend(range(w.start, end))
@@ -126,7 +135,19 @@ class ModelRunner:
             tables.append(blocks)
             samplers.append(w.req.sampler if w.samples else None)
         return Batch(
-            ids, positions, slots, starts, seq_lens, tables, samplers, keep, rows, kept, len(work)
+            ids,
+            positions,
+            slots,
+            starts,
+            seq_lens,
+            tables,
+            samplers,
+            keep,
+            rows,
+            kept,
+            len(work),
+            copy_rows,
+            copy_slots,
         )
 
     def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -142,6 +163,9 @@ class ModelRunner:
             block_tables=tables.to(dev),
             block_size=self.block_size,
         )
+        if batch.copy_rows:
+            meta.copy_rows = torch.tensor(batch.copy_rows, dtype=torch.long, device=dev)
+            meta.copy_slots = torch.tensor(batch.copy_slots, dtype=torch.long, device=dev)
         if self.backend.groups_prefixes and any(
             batch.query_start[i + 1] - batch.query_start[i] == 1 for i in range(len(batch.seq_lens))
         ):

@@ -27,10 +27,12 @@ a step later and takes them from the cache.
 A request joins the running set when it heads its context's queue and, for a forked
 context, when its parent has no work queued (so the child inherits the parent's computed
 blocks), or when the parent's one queued request is a fill that this step completes: then
-the fork **joins the parent's step** (`joined`): it takes the parent's full blocks below
-its fork point, which this step computes (each layer writes every row's KV before any row
-attends), and computes its own tokens from there, the parent's partial last block's
-tokens included. A program's call whose prompt is a new system prompt plus a question
+the fork **joins the parent's step** (`joined`): it takes the parent's blocks below its
+fork point, which this step computes (each layer writes every row's KV before any row
+attends), and computes its own tokens from there. Its copy of the parent's partial last
+block (copy-on-write) gets the parent's KV of that block twice written by the step
+(`Work.copies`): at first the fork computed those tokens again, up to 15 a fork, which
+for 16 forks cost more than the step saved on a CPU. A program's call whose prompt is a new system prompt plus a question
 (the prefix filled as a context of its own, the question on a fork) took two steps, the
 second ~60 ms for ~15 tokens on a CPU; now one. If the parent's work fails in that step,
 its joined forks fail too (`step_loop`). When blocks run out the newest running
@@ -57,6 +59,9 @@ class Work:
     req: Request
     start: int
     n: int
+    # (position, slot): also write this chunk's KV of that position at that slot, in a
+    # block of a fork that joined this step (the module doc)
+    copies: list[tuple[int, int]] | None = None
 
     @property
     def samples(self) -> bool:
@@ -113,7 +118,7 @@ class Scheduler:
         # (that request, the parent's fill): the fork's KV is good only if the fill's is
         self.joined: dict[int, tuple[Request, Request]] = {}
         self.joins = 0  # forks that joined their parent's step
-        self.join_recomputed = 0  # parent tokens they computed again (partial blocks)
+        self.join_copied = 0  # parent tokens whose KV a step also wrote in a fork's block
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -245,7 +250,7 @@ class Scheduler:
         if budget > 0 and self.waiting:
             # forks whose parent's one queued request is a fill this step completes
             ends = {
-                id(w.req.ctx): w.req
+                id(w.req.ctx): w
                 for w in work
                 if w.req.kind == "fill" and w.start + w.n == len(w.req.ctx.tokens)
             }
@@ -255,14 +260,15 @@ class Scheduler:
                 ctx = req.ctx
                 if ctx.attached or ctx.queue[0] is not req:
                     continue
-                fill = ends.get(id(ctx.parent))
-                if fill is None or len(ctx.parent.queue) != 1:
+                filling = ends.get(id(ctx.parent))
+                if filling is None or len(ctx.parent.queue) != 1:
                     continue
                 behind = urgent is not None and req.priority > urgent
                 if behind and background < 1:
                     continue
-                self._join(ctx)
-                self.joined[id(req)] = (req, fill)
+                self._attach(ctx, ctx.fork_len)
+                self.joins += 1
+                self.joined[id(req)] = (req, filling.req)
                 if req.prompt_end is None:
                     req.prompt_end = len(ctx.tokens)
                 req.matched = True  # its next blocks are this step's: nothing cached yet
@@ -272,6 +278,7 @@ class Scheduler:
                 n = min(req.pending, budget, background if behind else budget)
                 if n <= 0 or not self._reserve(req, ctx.num_computed, n, planned):
                     continue  # joined: it goes on in a later step, from the parent's blocks
+                self._copy_partial(ctx, filling)
                 if self.pool.prefix_cache:
                     bs = self.pool.block_size
                     first, end = ctx.num_computed // bs + 1, (ctx.num_computed + n) // bs + 1
@@ -311,9 +318,11 @@ class Scheduler:
         self.preempt(victim)
         return True
 
-    def _attach(self, ctx: Context) -> None:
+    def _attach(self, ctx: Context, upto: int | None = None) -> None:
+        """Share the parent's blocks below the fork point: those it has computed, or (a
+        fork joining the parent's step) those up to `upto`, which the step computes."""
         parent, bs = ctx.parent, self.pool.block_size
-        n = min(parent.num_computed, ctx.fork_len)
+        n = min(parent.num_computed, ctx.fork_len) if upto is None else upto
         ctx.blocks = parent.blocks[: (n + bs - 1) // bs]
         for b in ctx.blocks:
             self.pool.incref(b)
@@ -324,18 +333,20 @@ class Scheduler:
         if grammar is not None and grammar.end == ctx.fork_len:
             ctx.grammar = grammar.fork()  # the parent's grammar state at the fork point
 
-    def _join(self, ctx: Context) -> None:
-        """Attach a fork to the parent's full blocks below its fork point, which the step
-        being planned computes (the module doc); it computes the partial block's tokens."""
-        k = ctx.fork_len // self.pool.block_size
-        self.joins += 1
-        self.join_recomputed += ctx.fork_len - k * self.pool.block_size
-        ctx.blocks = ctx.parent.blocks[:k]
-        for b in ctx.blocks:
-            self.pool.incref(b)
-        ctx.num_computed = k * self.pool.block_size
-        ctx.kept_blocks = k
-        ctx.attached = True
+    def _copy_partial(self, ctx: Context, filling: Work) -> None:
+        """A joined fork that computes in the step has its own copy of the parent's partial
+        last block (copy-on-write, before the step); the parent's tokens of that block
+        which the step computes are written there too, as the parent's own KV."""
+        bs = self.pool.block_size
+        k = ctx.fork_len // bs
+        if ctx.fork_len % bs == 0 or ctx.blocks[k] == ctx.parent.blocks[k]:
+            return
+        lo = max(k * bs, filling.start)
+        if filling.copies is None:
+            filling.copies = []
+        base = ctx.blocks[k] * bs - k * bs
+        filling.copies.extend((p, base + p) for p in range(lo, ctx.fork_len))
+        self.join_copied += max(0, ctx.fork_len - lo)
 
     def unjoin(self, ctx: Context) -> None:
         """Drop every block of a fork whose parent's work failed in the step it joined:

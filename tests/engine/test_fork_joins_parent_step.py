@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from parrot_backend.contract.errors import StepFailed
 from parrot_backend.contract.sampling import SamplingParams
@@ -38,11 +39,25 @@ async def _alone(engine: Engine, prompt: list[int]) -> tuple[list[int], int]:
     return ids, engine.stats_now().steps - steps
 
 
-async def _forked(engine: Engine, head: list[int], tails: list[list[int]]):
+def _same_partial_block(engine: Engine, fork: str) -> None:
+    """The fork's own copy of its parent's partial last block holds the parent's KV."""
+    child, parent = engine.contexts[fork], engine.contexts["p"]
+    bs = engine.pool.block_size
+    k, n = child.fork_len // bs, child.fork_len % bs
+    assert n and child.blocks[k] != parent.blocks[k]
+    for kc, vc in engine.runner.kv_caches:
+        for cache in (kc, vc):
+            assert bool(cache[parent.blocks[k], :n].abs().sum() > 0)
+            assert torch.equal(cache[child.blocks[k], :n], cache[parent.blocks[k], :n])
+
+
+async def _forked(engine: Engine, head: list[int], tails: list[list[int]], check=None):
     """Fill `head` and, without waiting for it, fork each tail from it and generate."""
 
     async def fork(i: int, tail: list[int]) -> list[int]:
         await engine.fill(f"f{i}", "p", tail)
+        if check is not None:
+            check(engine, f"f{i}")
         ids, _, _ = await collect(engine, f"f{i}", None, GEN)
         return ids
 
@@ -79,11 +94,11 @@ def test_forks_join_the_step_that_fills_their_parent(tiny_model_dir, prefix_cach
     # one step fills the parent and both forks' tails: as many steps as one prompt alone
     # (without joining, the forks' tails took a step of their own)
     assert after.steps - before.steps == expected[0][1]
-    # the forks compute the parent's partial last block's tokens themselves
-    partial = head_len % 16
+    # no token is computed twice: the forks' copies of the parent's partial last block
+    # get the parent's KV of this step written twice
     if not prefix_cache:
         prefill = after.prefill_tokens_computed - before.prefill_tokens_computed
-        assert prefill == head_len + sum(len(t) + partial for t in tails)
+        assert prefill == head_len + sum(len(t) for t in tails)
 
 
 def test_a_parent_filled_in_chunks_is_joined_at_its_last_chunk(tiny_model_dir):
@@ -91,19 +106,23 @@ def test_a_parent_filled_in_chunks_is_joined_at_its_last_chunk(tiny_model_dir):
     tail = _prompt(5, 5)
 
     async def go():
-        engine = _engine(tiny_model_dir, max_batched_tokens=32)
+        engine = _engine(tiny_model_dir, max_batched_tokens=33)
         async with engine:
             expected = await _alone(engine, head + tail)
             before = engine.stats_now()
-            (got,) = await _forked(engine, head, [tail])
+            copied = engine.scheduler.join_copied
+            (got,) = await _forked(engine, head, [tail], check=_same_partial_block)
             after = engine.stats_now()
-        return expected, got, after.steps - before.steps
+            copied = engine.scheduler.join_copied - copied
+        return expected, got, after.steps - before.steps, copied
 
-    (expected, alone), got, steps = asyncio.run(go())
+    (expected, alone), got, steps, copied = asyncio.run(go())
     assert got == expected
-    # 70 tokens in chunks of 32: three steps, the fork's 5 + 6 (partial block) in the
-    # third, as the 75 tokens alone take three
+    # 70 tokens in chunks of 33: three steps, the fork's 5 in the third, as the 75 tokens
+    # alone take three. The fork's copy of the partial block (64-79) holds 64-65 from the
+    # second step (copied before the third) and 66-69 written twice by the third.
     assert steps == alone
+    assert copied == 4
 
 
 def test_a_fork_fails_with_the_parent_work_of_the_step_it_joined(tiny_model_dir):

@@ -195,6 +195,10 @@ class Attention(nn.Module):
             q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.copy_rows is not None:
+            rows = meta.copy_rows
+            k2, v2 = k.index_select(0, rows), v.index_select(0, rows)
+            backend.store_kv(k2, v2, k_cache, v_cache, meta.copy_slots)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

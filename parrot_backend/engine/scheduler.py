@@ -30,13 +30,14 @@ blocks), or when the parent's one queued request is a fill that this step comple
 the fork **joins the parent's step** (`joined`): it takes the parent's blocks below its
 fork point, which this step computes (each layer writes every row's KV before any row
 attends), and computes its own tokens from there. Its copy of the parent's partial last
-block (copy-on-write) gets the parent's KV of that block twice written by the step
-(`Work.copies`): at first the fork computed those tokens again, up to 15 a fork, which
-for 16 forks cost more than the step saved on a CPU. A program's call whose prompt is a new system prompt plus a question
-(the prefix filled as a context of its own, the question on a fork) took two steps, the
-second ~60 ms for ~15 tokens on a CPU; now one. If the parent's work fails in that step,
-its joined forks fail too (`step_loop`). When blocks run out the newest running
-request is preempted: its unshared blocks are released and later recomputed.
+block (copy-on-write) gets the parent's KV of that block written twice by the step
+(`Work.copies`), so no token is computed twice (at first a fork computed those tokens
+again, up to a block less one each). A program's call whose prompt is a new system
+prompt plus a question (the prefix filled as a context of its own, the question on a
+fork) took two steps, the second ~60 ms for ~15 tokens on a CPU; now one. If the
+parent's work fails in that step, its joined forks fail too (`step_loop`). When blocks
+run out the newest running request is preempted: its unshared blocks are released and
+later recomputed.
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ class InProcessBackend:
 
     Build it inside the manager's loop (`InProcessBackend(manager)`), or let it host the
     engines and the manager on a thread of its own (`InProcessBackend.threaded(...)`), which
-    plain synchronous programs need; `close()` stops that thread.
+    plain synchronous programs need; `close()` stops that thread, as leaving a `with`
+    block over the backend does (a thread left running is stopped mid-task at exit, and
+    Python then reports its tasks as destroyed while pending).
     """
 
     def __init__(self, manager: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -131,6 +133,12 @@ class InProcessBackend:
         self._thread.join()
         self._thread = None
         self.loop.close()
+
+    def __enter__(self) -> InProcessBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     async def create_run(self, spec: RunSpec) -> str:
         """Create the session's run on the manager."""

@@ -118,6 +118,17 @@ def test_sync_get_through_a_threaded_backend() -> None:
         backend.close()
 
 
+def test_threaded_backend_as_a_context_manager_stops_its_thread() -> None:
+    with InProcessBackend.threaded(lambda: {"e0": ScriptedEngine(reply=tail)}) as backend:
+        thread = backend._thread
+        assert thread is not None and thread.is_alive()
+        with Session(backend):
+            assert write_code("a kite").get() == "[kite.\nCode: ]"
+    assert not thread.is_alive()
+    assert backend.loop.is_closed()
+    backend.close()  # closing again does nothing
+
+
 async def test_sync_get_inside_the_backend_loop_is_refused() -> None:
     async with Manager({"e0": ScriptedEngine()}) as manager:
         with Session(InProcessBackend(manager)):

@@ -49,11 +49,29 @@ class Context:
         # (n, h): the final hidden state at position n - 1, kept by the fill that computed
         # it; while the context is n tokens long, a generation samples its first token from
         # h instead of recomputing the last token (a step less before the first token).
-        # A fork of exactly those tokens inherits it (the state depends on the tokens only).
+        # A fork of exactly those tokens inherits it (the state depends on the tokens only),
+        # also one made before the parent's fill computed it (`kept_hidden`).
         self.last_hidden: tuple[int, object] | None = None
         if parent is not None and parent.last_hidden is not None:
             if parent.last_hidden[0] == self.fork_len:
                 self.last_hidden = parent.last_hidden
+
+    def kept_hidden(self) -> tuple[int, object] | None:
+        """The kept final hidden state of the context's last token, or None. A fork with no
+        tokens of its own takes its parent's when the parent kept one for those tokens: the
+        users of one prompt are forks of it made as soon as it was sent, before its fill
+        computed the state (without it each recomputed the prompt's last token)."""
+        kept = self.last_hidden
+        n = len(self.tokens)
+        if kept is not None and kept[0] == n:
+            return kept
+        parent = self.parent
+        if parent is not None and self.fork_len == n:
+            kept = parent.last_hidden
+            if kept is not None and kept[0] == n:
+                self.last_hidden = kept
+                return kept
+        return None
 
     def block_hash(self, k: int) -> int:
         """Chain hash of the first k full blocks (the salt starts the chain)."""

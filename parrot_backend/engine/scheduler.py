@@ -200,10 +200,10 @@ class Scheduler:
                     continue
                 req.matched = True
             if req.kind == "generate" and req.pending == 0:
-                kept = ctx.last_hidden
-                if kept is not None and kept[0] == len(ctx.tokens) and req.generated == 0:
-                    # the fill that ended the prompt kept its last hidden state: the first
-                    # token is sampled from it, in this step, with nothing to compute
+                if req.generated == 0 and ctx.kept_hidden() is not None:
+                    # the fill that ended the prompt kept its last hidden state (this
+                    # context's, or its parent's for a fork of exactly the parent's tokens):
+                    # the first token is sampled from it, in this step, with nothing to compute
                     ctx.last_used = self.clock
                     work.append(Work(req, len(ctx.tokens), 0))
                     planned.add(id(req))

@@ -160,3 +160,42 @@ def test_a_fork_fails_with_the_parent_work_of_the_step_it_joined(tiny_model_dir)
     assert isinstance(fork_err, StepFailed), fork_err
     assert state == ([], 0)  # no KV of the failed step is trusted
     assert len(ids) == GEN.max_tokens
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_forks_of_a_whole_prompt_sample_from_the_state_their_parent_kept(
+    tiny_model_dir, prefix_cache
+):
+    """Users with the same prompt (the manager fills it once, as a prefix context, and
+    forks each call from it with nothing of its own to fill; the forks are made before
+    the prefix is computed). Their first tokens are sampled from the final hidden state
+    the prefix's fill kept: no token is computed again for them, and no step is added to
+    one prompt's."""
+    head, tail = _prompt(40, 8), _prompt(9, 9)
+
+    async def go():
+        engine = _engine(tiny_model_dir, prefix_cache=prefix_cache)
+        async with engine:
+            expected, alone = await _alone(engine, head + tail)
+            before = engine.stats_now()
+
+            async def user(i: int) -> list[int]:
+                ids, _, _ = await collect(engine, f"u{i}", "q", GEN)
+                return ids
+
+            filled = asyncio.ensure_future(engine.fill("p", None, head))
+            question = asyncio.ensure_future(engine.fill("q", "p", tail))
+            await asyncio.sleep(0)  # "q" has its tail (a fork copies its tokens)
+            got = await asyncio.gather(*(user(i) for i in range(3)))
+            await asyncio.gather(filled, question)
+            after = engine.stats_now()
+            for cid in ("u0", "u1", "u2", "q", "p"):
+                await engine.free(cid)
+        return expected, alone, got, before, after
+
+    expected, alone, got, before, after = asyncio.run(go())
+    assert got == [expected] * 3
+    assert after.steps - before.steps == alone
+    if not prefix_cache:
+        prefill = after.prefill_tokens_computed - before.prefill_tokens_computed
+        assert prefill == len(head) + len(tail)

@@ -130,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
             auth=True if auth else None,
             manage_engine=True,
             salt_secret=runtime.salt_secret,
+            max_body_bytes=args.max_body_bytes,
         )
         registry = None
         if args.operator_key:
@@ -211,6 +212,24 @@ def _positive(text: str) -> int:
     return value
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _byte_size(text: str) -> int:
+    """`1048576`, `512K`, `16M` or `1G` (binary units) -> bytes, at least 1 KiB."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    try:
+        value = int(t[: len(t) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes such as 1048576, 512K, 16M or 1G, got {text!r}"
+        ) from None
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1K (1024 bytes), got {text!r}")
+    return value
+
+
 def _flush_seconds(text: str) -> float:
     value = float(text)
     if not 0 < value <= 10:  # (also refuses nan and inf)
@@ -220,6 +239,7 @@ def _flush_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     from parrot_backend.server.engine_main import add_engine_parser, add_model_arguments
+    from parrot_backend.server.settings import DEFAULT_MAX_BODY_BYTES
 
     parser = argparse.ArgumentParser(prog="parrot-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -309,6 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="calls of one tenant ready or running at once; a run or calls that "
         "would start more: 429 with Retry-After (default 4096)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=_byte_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="SIZE",
+        help="largest request body accepted, e.g. 16M (K, M, G: binary units); beyond: "
+        "413. A program carries each call's template whole: 64 calls sharing a "
+        "6,144-token system prompt are ~1.8 MB (default 8M)",
     )
     s.add_argument(
         "--gc-threshold",

@@ -60,7 +60,8 @@ class BodyLimitMiddleware:
             self.on_reject("body_too_large")
         body = json.dumps(
             error_body(
-                f"request body too large: the limit is {self.max_bytes} bytes",
+                f"request body too large: the limit is {self.max_bytes} bytes "
+                "(the server's max_body_bytes; `parrot-backend serve --max-body-bytes`)",
                 "invalid_request_error",
                 None,
                 "body_too_large",

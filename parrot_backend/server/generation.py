@@ -79,6 +79,7 @@ class RequestRun:
         self._queue: asyncio.Queue | None = None
         self._live = 0
         self._closed = False
+        self._pending: asyncio.Task | None = None  # a prefill the stream started without
         metrics.requests_running.inc()
         metrics.prompt_tokens.inc(len(prompt_ids))
 
@@ -99,6 +100,31 @@ class RequestRun:
         self._filled = True  # set first: a fill that fails half-way may have created it
         await self.engine.fill(self.root_id, None, self.prompt_ids, salt=self.salt)
 
+    async def start(self, wait_s: float | None = None) -> bool:
+        """Prefill the prompt, waiting at most `wait_s` seconds (None: to the end).
+
+        True when the prefill is done (its errors are raised here, for an HTTP status).
+        False when it still runs after `wait_s`: the response may start (a stream's
+        headers, then pings) while the prompt waits in a busy engine's queue, and the
+        first step of iterating awaits the prefill (its errors are raised there). If the
+        caller is cancelled (the client left), the prefill is cancelled too.
+        """
+        if wait_s is None:
+            await self.prefill()
+            return True
+        task = asyncio.ensure_future(self.prefill())
+        try:
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
+        except TimeoutError:
+            self._pending = task
+            return False
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            raise
+        return True
+
     def _sampling_for(self, index: int) -> SamplingParams:
         # With a seed, each choice gets its own (seed + index) so n choices differ but the
         # whole response stays reproducible.
@@ -111,6 +137,9 @@ class RequestRun:
         return self
 
     async def __anext__(self) -> tuple[int, TokenDelta]:
+        if self._pending is not None:  # the stream started before the prefill ended
+            task, self._pending = self._pending, None
+            await task  # (a cancelled iteration cancels the prefill with it)
         if self.n == 1:
             if self._iter is None:
                 self._iter = aiter(
@@ -175,6 +204,10 @@ class RequestRun:
         # Shielded: this often runs while the request's scope is being cancelled (client
         # gone), and an unshielded await there would be cancelled before freeing anything.
         with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True) as scope:
+            if self._pending is not None:  # a prefill nobody waits for any more
+                self._pending.cancel()
+                await asyncio.gather(self._pending, return_exceptions=True)
+                self._pending = None
             for task in self._tasks:
                 task.cancel()
             if self._tasks:

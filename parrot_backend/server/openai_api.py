@@ -76,9 +76,15 @@ async def _admit(
     n: int,
     endpoint: str,
     started: float,
+    stream: bool,
 ) -> RequestRun | None:
     """Take an in-flight slot (429 beyond the bound) and prefill the prompt. Returns None
-    when the client left during the prefill (it may wait in the engine's queue)."""
+    when the client left during the prefill (it may wait in the engine's queue).
+
+    A stream waits for its prefill `settings.stream_start_s` at most: a prompt queued
+    longer gets its response started (headers, then SSE pings) while it waits, so clients
+    and proxies with read timeouts see a live stream; an error of that prefill then comes
+    as the stream's error event instead of an HTTP status."""
     try:
         slot = state.limiter.acquire()
     except APIError:
@@ -96,7 +102,8 @@ async def _admit(
         started=started,
     )
     try:
-        disconnected, _ = await until_disconnect(request, run.prefill)
+        wait_s = state.settings.stream_start_s if stream else None
+        disconnected, _ = await until_disconnect(request, lambda: run.start(wait_s))
     except BaseException:
         await run.close()
         raise
@@ -172,7 +179,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     prompt_ids, prompt_text = await completion_prompt(state, body)
     max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
     sampling = build_sampling(state, body, max_tokens)
-    run = await _admit(state, request, prompt_ids, sampling, n, "completions", started)
+    run = await _admit(
+        state, request, prompt_ids, sampling, n, "completions", started, bool(body.stream)
+    )
     if run is None:
         return Response(status_code=499)  # the client left during the prefill
     meta = {
@@ -213,7 +222,9 @@ async def create_chat_completion(
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(state, requested, len(plan.prompt_ids), param)
     sampling = build_sampling(state, body, max_tokens, plan.constraint)
-    run = await _admit(state, request, plan.prompt_ids, sampling, n, "chat", started)
+    run = await _admit(
+        state, request, plan.prompt_ids, sampling, n, "chat", started, bool(body.stream)
+    )
     if run is None:
         return Response(status_code=499)
     meta = {

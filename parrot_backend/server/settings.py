@@ -56,6 +56,11 @@ class ServerSettings:
     max_chat_template_chars: int = 2_000_000  # rendered prompt size cap
     allow_request_chat_template: bool = False  # let requests carry their own template
     sse_ping_s: float = 15.0
+    # A streamed OpenAI request whose prompt waits longer than this for the engine (a busy
+    # server's queue) gets its response started while it waits: headers, then a ping every
+    # `sse_ping_s`, so read timeouts of clients (the openai SDK's is 600 s) and proxies
+    # (often 60 s) do not fire. Its prefill's errors then come as an error event.
+    stream_start_s: float = 5.0
     sse_send_timeout_s: float | None = 30.0  # a frozen client is dropped after this
     # On server shutdown, streams get this long to finish before they are cancelled.
     shutdown_grace_s: float = 10.0
@@ -91,6 +96,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1")
         if self.retry_after_s < 0:
             raise ValueError("retry_after_s must be >= 0")
+        if self.stream_start_s < 0:
+            raise ValueError("stream_start_s must be >= 0")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
         for key, tenant in self.api_keys.items():

@@ -6,6 +6,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from parrot_backend.server import ServerSettings, create_app
+from parrot_backend.server.settings import DEFAULT_MAX_BODY_BYTES
 from parrot_backend.testing.fake_engine import FakeEngine
 
 from .conftest import AUTH
@@ -84,7 +85,7 @@ async def test_metrics_survive_a_broken_engine_stats(engine, settings):
 async def test_auth_and_size_rejections_are_counted(client, app):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as a:
         await a.get("/v1/models")
-    await client.post("/v1/completions", content=b"x" * (2 << 20))
+    await client.post("/v1/completions", content=b"x" * (DEFAULT_MAX_BODY_BYTES + 1))
     m = _samples((await client.get("/metrics")).text)
     assert m["parrot_requests_rejected_total[('reason', 'auth')]"] == 1
     assert m["parrot_requests_rejected_total[('reason', 'body_too_large')]"] == 1

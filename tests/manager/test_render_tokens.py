@@ -289,3 +289,55 @@ def test_a_value_cannot_close_a_chat_role(engines):
     assert engine.tokenizer.decode(plan.prompt) == (
         f"<|im_start|>user\n{evil}<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def _prefixes_tokenizing_each_head_whole(call, values, tokens, prompt, salt):
+    """Prefixes as found before each cut reused the tokens of the cut below it: every
+    head (the text up to a stable cut) tokenized whole."""
+    from parrot_backend.manager import prefix as _prefix
+    from parrot_backend.manager.render import _truncate, prompt_pieces
+
+    pieces = prompt_pieces(call, values)
+    out, done = [], 0
+    for cut in _prefix._boundaries(call.segments):
+        if cut >= len(pieces):
+            n = len(prompt)
+        else:
+            chars = tokens.stable_cut("".join(t for t, _ in pieces[:cut]))
+            if not chars:
+                continue
+            mine = tokens.prompt(_truncate(pieces[:cut], chars))
+            n = len(mine)
+            if prompt[:n] != mine:
+                continue
+        if n > done:
+            done = n
+            out.append((min(cut, len(pieces)), n, prefix_key("m", prompt[:n], salt)))
+    return out
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.sampled_from(["smollm2", "bytelevel", "metaspace", "wordpiece"]),
+    st.lists(st.one_of(TEXTS, st.integers(0, 3)), min_size=1, max_size=8),
+    st.lists(VALUES, min_size=4, max_size=4),
+    st.one_of(st.none(), st.just("tenant-salt")),
+)
+def test_prefixes_built_on_the_cut_below_are_the_prefixes_of_whole_heads(
+    engines, name, parts, values, salt
+):
+    """A cut's tokens are taken as the tokens of the prefix below it plus those of the text
+    between them (each call then tokenizes only its own text after a shared part); the
+    prefixes found are exactly those found by tokenizing every head whole."""
+    engine = engines[name]
+    call = Call.from_template("c", _template(parts))
+    vals = {f"v{i}": v for i, v in enumerate(values)}
+    plan, prefixes = render_call(call, vals, PromptTokenizer.for_engine(engine), "m", salt)
+    want = _prefixes_tokenizing_each_head_whole(
+        call, vals, PromptTokenizer.for_engine(engine), tuple(plan.prompt), salt
+    )
+    assert [(p.n_segments, p.n_tokens, p.key) for p in prefixes] == want

@@ -39,9 +39,11 @@ from apps import free_port, start_server, stop_server  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-async def sweep(url: str, args, tok, bar) -> list[dict]:
-    rows = []
-    async with httpx.AsyncClient(base_url=url, timeout=900, trust_env=False) as http:
+async def sweep(url: str, args, tok, bar, rows: list[dict]) -> list[dict]:
+    """Append each point's row to `rows` as it completes (a failure keeps the points done)."""
+    async with httpx.AsyncClient(
+        base_url=url, timeout=modes.REQUEST_TIMEOUT_S, trust_env=False
+    ) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         for p in args.prompt:
             for n in args.users:
@@ -87,6 +89,12 @@ async def sweep(url: str, args, tok, bar) -> list[dict]:
                     for a, b in zip(reps["parrot"], reps["request-level"], strict=True)
                 ]
                 rows.append(row)
+                pr, rl = row["parrot"], row["request-level"]
+                bar.write(
+                    f"P={p} N={n}: prefill {_tokens(pr['prefill_computed'])} vs "
+                    f"{_tokens(rl['prefill_computed'])} tokens, JCT {pr['jct']:.2f} vs "
+                    f"{rl['jct']:.2f} s, {rl['jct'] / pr['jct']:.2f}x"
+                )
     return rows
 
 
@@ -189,15 +197,22 @@ def main(argv: list[str] | None = None) -> str:
     with tqdm(
         total=2 * args.reps * len(args.users) * len(args.prompt), unit="run", file=sys.stderr
     ) as bar:
-        if args.url:
-            rows = asyncio.run(sweep(args.url, args, tok, bar))
-        else:
-            log = Path(tempfile.gettempdir()) / "appbench-server-scaling.log"
-            proc = start_server(args.port, False, args.model, log, [])
-            try:
-                rows = asyncio.run(sweep(f"http://127.0.0.1:{args.port}", args, tok, bar))
-            finally:
-                stop_server(proc)
+        rows: list[dict] = []
+        try:
+            if args.url:
+                asyncio.run(sweep(args.url, args, tok, bar, rows))
+            else:
+                log = Path(tempfile.gettempdir()) / "appbench-server-scaling.log"
+                proc = start_server(args.port, False, args.model, log, [])
+                try:
+                    asyncio.run(sweep(f"http://127.0.0.1:{args.port}", args, tok, bar, rows))
+                finally:
+                    stop_server(proc)
+        except BaseException as exc:
+            if rows:  # the points done are kept, the command says the run is incomplete
+                write(args.out, rows, f"{command}  # INCOMPLETE: stopped by {exc!r}"[:500])
+                print(f"wrote the {len(rows)} points done to {args.out}", file=sys.stderr)
+            raise
     text = write(args.out, rows, command)
     print(text + f"\n({time.time() - began:.0f} s)")
     return text

@@ -22,6 +22,12 @@ import httpx
 
 from .workloads import Workload
 
+# How long one request-level call may wait for its answer. The server starts a streamed
+# completion once its prompt is prefilled, so a call queued behind a backlog gets no bytes
+# until then: 64 concurrent users of a 4,096-token prompt are ~260,000 prefill tokens,
+# ~10 minutes on the 2-core CPU, and the last of them timed out at 600 s.
+REQUEST_TIMEOUT_S = 3600
+
 
 def _at(stamp: str | None) -> float | None:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
@@ -193,7 +199,9 @@ async def run_request_level(
         if call.ignore_eos:
             body["ignore_eos"] = True
         text, first, usage = [], None, {}
-        async with http.stream("POST", "/v1/completions", json=body, timeout=600) as r:
+        async with http.stream(
+            "POST", "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+        ) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{call.name}: {r.status_code} {(await r.aread())[:200]}")
             async for line in r.aiter_lines():
@@ -280,7 +288,7 @@ async def calibrate(http: httpx.AsyncClient, model: str, prompt: str, reps: int 
     token generated) and the decode step time at batch 1 (streamed, 32 tokens)."""
     best_rate, best_step, n_prompt = 0.0, float("inf"), 0
     warm = {"model": model, "prompt": prompt[: len(prompt) // 2], "max_tokens": 4}
-    await http.post("/v1/completions", json=warm, timeout=600)  # first-use costs
+    await http.post("/v1/completions", json=warm, timeout=REQUEST_TIMEOUT_S)  # first-use costs
     for rep in range(reps):
         body = {
             "model": model,
@@ -289,7 +297,7 @@ async def calibrate(http: httpx.AsyncClient, model: str, prompt: str, reps: int 
             "temperature": 0,
         }
         t = time.perf_counter()
-        r = await http.post("/v1/completions", json=body, timeout=600)
+        r = await http.post("/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
         took = time.perf_counter() - t
         n_prompt = r.json()["usage"]["prompt_tokens"]
         best_rate = max(best_rate, n_prompt / took)
@@ -302,7 +310,9 @@ async def calibrate(http: httpx.AsyncClient, model: str, prompt: str, reps: int 
             "ignore_eos": True,
         }
         stamps = []
-        async with http.stream("POST", "/v1/completions", json=body, timeout=600) as s:
+        async with http.stream(
+            "POST", "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
+        ) as s:
             async for line in s.aiter_lines():
                 if line.startswith("data: {"):
                     stamps.append(time.perf_counter())

@@ -117,6 +117,14 @@ TORCH_MIN_SHARED_PREFIX_LEN = 512
 TORCH_MIN_SHARED_PREFIX_TOKENS = 6144
 
 
+# SDPA's fused CPU kernel, called directly for the log-sum-exp it also returns (the public
+# function drops it); None where this torch lacks it (the unfused path then runs)
+try:
+    _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+except (AttributeError, RuntimeError):  # pragma: no cover - older or newer torch
+    _FLASH_CPU = None
+
+
 class TorchAttention(AttentionBackend):
     """Reference backend: gathers each sequence's K/V from its blocks and calls SDPA.
 
@@ -129,6 +137,9 @@ class TorchAttention(AttentionBackend):
     """
 
     name = "torch"
+    # a prefix group's attention by SDPA's fused CPU kernel (`_shared_decode_fused`); off,
+    # the unfused matmuls run (benchmarks/shared_decode_cpu.py measures both)
+    fused_shared_decode = True
 
     def share_prefix(self, prefix_len: int, group_size: int) -> bool:
         return (
@@ -199,6 +210,14 @@ class TorchAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """Decode attention of one prefix group: q `[G, Hq, D]` -> `[G, Hq, D]`."""
+        # (the fused kernel dies of SIGFPE on zero keys: an empty prefix takes this path)
+        if (
+            self.fused_shared_decode
+            and _FLASH_CPU is not None
+            and q.device.type == "cpu"
+            and g.prefix_len > 0
+        ):
+            return self._shared_decode_fused(q, flat_k, flat_v, meta, g, scale)
         n, hq, d = q.shape
         hkv = flat_k.shape[1]
         r = hq // hkv
@@ -225,6 +244,46 @@ class TorchAttention(AttentionBackend):
         w_s = torch.exp(lse_s - m).unsqueeze(-1)
         o = (o_p * w_p + o_s * w_s) / (w_p + w_s)
         return o.reshape(n, hq, d).to(q.dtype)
+
+    def _shared_decode_fused(
+        self,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        meta: AttentionMetadata,
+        g: PrefixGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        """`_shared_decode` by SDPA's fused CPU kernel, which also returns each query's
+        log-sum-exp: one call for the prefix (the G rows' queries of each KV head as one
+        batch of G*r queries) and one for the rows' suffixes, merged as before. The same
+        values; one SmolLM2 layer of 8 rows over a 1,024-token prefix took 644-883 against
+        1,370-1,481 us, a whole decode step ~10% less (the unfused path's bmm, softmax,
+        log-sum-exp and merge are ten ops; benchmarks/README.md)."""
+        n, hq, d = q.shape
+        hkv = flat_k.shape[1]
+        r = hq // hkv
+        slots, suffix, pad = self._shared_plan(meta, g, q.device)
+        qg = q.view(n, hkv, r, d)
+        kp = gather(flat_k, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, Lp, D]
+        vp = gather(flat_v, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        qp = qg.permute(1, 0, 2, 3).reshape(1, hkv, n * r, d)
+        o_p, lse_p = _FLASH_CPU(qp, kp, vp, 0.0, False, scale=scale)
+        ks = gather(flat_k, suffix).transpose(1, 2).to(q.dtype)  # [G, Hkv, Ls, D]
+        vs = gather(flat_v, suffix).transpose(1, 2).to(q.dtype)
+        bias = None
+        if pad is not None:  # padding as an additive mask, built once a step
+            key = ("shared-bias", g.prefix_len, tuple(g.seq_indices), q.dtype)
+            bias = meta.cache.get(key)
+            if bias is None:
+                bias = torch.zeros(pad.shape, dtype=q.dtype, device=q.device)
+                bias = meta.cache[key] = bias.masked_fill(pad, float("-inf"))
+        o_s, lse_s = _FLASH_CPU(qg, ks, vs, 0.0, False, attn_mask=bias, scale=scale)
+        # merge: the prefix's weight is exp(lse_p) / (exp(lse_p) + exp(lse_s))
+        w_p = torch.sigmoid(lse_p.view(hkv, n, r).permute(1, 0, 2) - lse_s).unsqueeze(-1)
+        o_p = o_p.view(hkv, n, r, d).permute(1, 0, 2, 3).float()
+        o_s = o_s.float()
+        return (o_s + (o_p - o_s) * w_p).reshape(n, hq, d).to(q.dtype)
 
     def _shared_plan(self, meta: AttentionMetadata, g: PrefixGroup, device):
         """A prefix group's slots, built once per step (every layer reads the same): the

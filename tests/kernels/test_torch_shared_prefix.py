@@ -53,3 +53,32 @@ def test_the_gate_groups_long_prefixes_read_by_enough_rows():
     assert backend.share_prefix(4096, 2) and backend.share_prefix(1024, 16)
     assert not backend.share_prefix(511, 16) and not backend.share_prefix(1024, 4)
     assert not backend.share_prefix(256, 64) and not backend.share_prefix(2048, 2)
+
+
+def test_the_fused_kernel_path_runs_and_equals_the_unfused_one(monkeypatch):
+    """On a CPU a group's attention takes SDPA's fused kernel (two calls and a merge by
+    their log-sum-exp); it gives the unfused matmuls' values, empty prefixes included."""
+    from parrot_backend.engine import attention
+
+    real = attention._FLASH_CPU
+    assert real is not None  # the pinned torch has the op; a torch without it would skip
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape[2])  # keys in the call
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", spy)
+    unfused = TorchAttention()
+    unfused.fused_shared_decode = False
+    for seed in range(8):
+        q, kc, vc, k_new, v_new, meta = _batch(
+            _random_spec(seed), 3, 32, torch.float32, torch.device("cpu"), seed=seed, shuffle=True
+        )
+        fused = TorchAttention()
+        fused.store_kv(k_new, v_new, kc, vc, meta.slot_mapping)
+        scale = q.shape[-1] ** -0.5
+        got = fused.forward(q, kc, vc, meta, scale)
+        want = unfused.forward(q, kc, vc, dataclasses.replace(meta, cache={}), scale)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert calls and all(n > 0 for n in calls)

@@ -41,6 +41,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (masked by seq_lens)
     block_size: int
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
+    # prefill chunks of forks of one ancestor (`PrefixGroup`s of prefill sequences): a
+    # backend that groups them reads the common prefix once for all the chunks' queries
+    prefill_groups: list[PrefixGroup] = field(default_factory=list)
     # rows whose K/V is also written at a second slot (`copy_slots`): the parent's partial
     # block in the copy of a fork that joined the parent's step
     copy_rows: torch.Tensor | None = None
@@ -73,6 +76,16 @@ class AttentionBackend(ABC):
         """Whether decode rows sharing this many prefix tokens should be grouped; backends
         without a shared-prefix kernel never group."""
         return False
+
+    def share_prefill_prefix(self, prefix_len: int, group_size: int) -> bool:
+        """Whether prefill chunks of forks sharing this many prefix tokens should be grouped
+        (`AttentionMetadata.prefill_groups`); backends without such a path never group."""
+        return False
+
+    @property
+    def groups_prefill(self) -> bool:
+        """Whether this backend has a grouped path for forks' prefill chunks."""
+        return type(self).share_prefill_prefix is not AttentionBackend.share_prefill_prefix
 
     @property
     def groups_prefixes(self) -> bool:
@@ -115,6 +128,14 @@ class AttentionBackend(ABC):
 # 512 x 8 1.06x, 1,024 x 4 0.96x, 512 x 16 1.25x, 1,024 x 8 1.85x, 1,024 x 16 1.93x.
 TORCH_MIN_SHARED_PREFIX_LEN = 512
 TORCH_MIN_SHARED_PREFIX_TOKENS = 6144
+# ... and forks' prefill chunks read theirs once from these sizes. One SmolLM2 layer's
+# attention, grouped vs plain (benchmarks/results/apps/overhead-probe/
+# prefill_group_layer.py, ~19 new tokens a fork unless said): 2 x 1,024 1.08x, 4 x 512
+# (40 new) 1.09x, 4 x 1,024 (200 new) 1.26x, 8 x 1,024 1.61x, 16 x 2,048 1.79x,
+# 64 x 4,096 2.28x; below the gate noisy and often slower: 2 x 512 1.01x, 3 x 256
+# (60 new) 0.89x, 4 x 256 0.69-1.67x, 2 x 128 0.75x, 8 x 64 0.61x.
+TORCH_MIN_SHARED_PREFILL_PREFIX_LEN = 512
+TORCH_MIN_SHARED_PREFILL_TOKENS = 2048
 
 
 # SDPA's fused CPU kernel, called directly for the log-sum-exp it also returns (the public
@@ -133,18 +154,29 @@ class TorchAttention(AttentionBackend):
     prefix group (`meta.prefix_groups`) attend to the group's shared prefix together: its
     K/V is gathered once and every row's queries meet it in one matmul; each row's own
     suffix is attended separately and the two partial states are merged by their
-    log-sum-exp (the shared-prefix kernel's method, in torch).
+    log-sum-exp (the shared-prefix kernel's method, in torch). On a CPU, forks' prefill
+    chunks in a prefix group (`meta.prefill_groups`) do the same.
     """
 
     name = "torch"
     # a prefix group's attention by SDPA's fused CPU kernel (`_shared_decode_fused`); off,
     # the unfused matmuls run (benchmarks/shared_decode_cpu.py measures both)
     fused_shared_decode = True
+    # forks' prefill chunks over a common prefix read it once (`_shared_prefill`); off,
+    # each chunk attends to its whole context by itself
+    group_prefill = True
 
     def share_prefix(self, prefix_len: int, group_size: int) -> bool:
         return (
             prefix_len >= TORCH_MIN_SHARED_PREFIX_LEN
             and prefix_len * group_size >= TORCH_MIN_SHARED_PREFIX_TOKENS
+        )
+
+    def share_prefill_prefix(self, prefix_len: int, group_size: int) -> bool:
+        return (
+            self.group_prefill
+            and prefix_len >= TORCH_MIN_SHARED_PREFILL_PREFIX_LEN
+            and prefix_len * group_size >= TORCH_MIN_SHARED_PREFILL_TOKENS
         )
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
@@ -162,7 +194,14 @@ class TorchAttention(AttentionBackend):
         if grouped:
             members = {i for g in grouped for i in g.seq_indices}
             decode = [i for i in decode if i not in members]
-        out = None if not (prefill or grouped) else torch.empty_like(q)
+        pgroups = []
+        if meta.prefill_groups and self._fused_ok(q):
+            pgroups = [g for g in meta.prefill_groups if g.seq_indices]
+            members = {i for g in pgroups for i in g.seq_indices}
+            prefill = [i for i in prefill if i not in members]
+        out = None if not (prefill or grouped or pgroups) else torch.empty_like(q)
+        for g in pgroups:
+            self._shared_prefill(q, out, flat_k, flat_v, meta, g, scale)
         for g in grouped:
             rows = [meta.query_start[i] for i in g.seq_indices]
             out[rows] = self._shared_decode(q[rows], flat_k, flat_v, meta, g, scale)
@@ -211,12 +250,7 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         """Decode attention of one prefix group: q `[G, Hq, D]` -> `[G, Hq, D]`."""
         # (the fused kernel dies of SIGFPE on zero keys: an empty prefix takes this path)
-        if (
-            self.fused_shared_decode
-            and _FLASH_CPU is not None
-            and q.device.type == "cpu"
-            and g.prefix_len > 0
-        ):
+        if self.fused_shared_decode and self._fused_ok(q) and g.prefix_len > 0:
             return self._shared_decode_fused(q, flat_k, flat_v, meta, g, scale)
         n, hq, d = q.shape
         hkv = flat_k.shape[1]
@@ -284,6 +318,104 @@ class TorchAttention(AttentionBackend):
         o_p = o_p.view(hkv, n, r, d).permute(1, 0, 2, 3).float()
         o_s = o_s.float()
         return (o_s + (o_p - o_s) * w_p).reshape(n, hq, d).to(q.dtype)
+
+    @staticmethod
+    def _fused_ok(q: torch.Tensor) -> bool:
+        """Whether SDPA's fused CPU kernel (with its log-sum-exp) can run on `q`."""
+        return _FLASH_CPU is not None and q.device.type == "cpu"
+
+    def _shared_prefill(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        meta: AttentionMetadata,
+        g: PrefixGroup,
+        scale: float,
+    ) -> None:
+        """Prefill attention of forks' chunks that share a block-aligned prefix, into `out`.
+
+        Every new token of every chunk sits after the prefix, so all of them see all of it:
+        the prefix's K/V is gathered once and meets all the chunks' queries in one call of
+        the fused kernel (query heads folded into the query length, as in decode). The
+        chunks' own tokens after the prefix are attended causally in a second call (the
+        chunks padded to one length), and the two partial states are merged by their
+        log-sum-exp. Ungrouped, each fork gathered and attended to the whole prefix by
+        itself, with its K/V expanded to the query heads."""
+        hkv, d = flat_k.shape[1], q.shape[2]
+        r = q.shape[1] // hkv
+        rows, slots, pad_rows, valid, suffix, bias = self._prefill_group_plan(
+            meta, g, r, q.dtype, q.device
+        )
+        t, f = rows.shape[0], suffix.shape[0]
+        qg = q.index_select(0, rows).view(t, hkv, r, d)  # the chunks' rows, in order
+        kp = gather(flat_k, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, Lp, D]
+        vp = gather(flat_v, slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        # [1, Hkv, r*Tg, D]: a KV head's r query heads, each over all the chunks' tokens
+        qp = qg.permute(1, 2, 0, 3).reshape(1, hkv, r * t, d)
+        o_p, lse_p = _FLASH_CPU(qp, kp, vp, 0.0, False, scale=scale)
+        # the suffixes: chunk c's token j at padded row c*n + j, [F, Hkv, r*n, D]
+        n = pad_rows.shape[0] // f
+        qs = qg.index_select(0, pad_rows).view(f, n, hkv, r, d).permute(0, 2, 3, 1, 4)
+        ks = gather(flat_k, suffix).transpose(1, 2).to(q.dtype)  # [F, Hkv, Ls, D]
+        vs = gather(flat_v, suffix).transpose(1, 2).to(q.dtype)
+        o_s, lse_s = _FLASH_CPU(
+            qs.reshape(f, hkv, r * n, d), ks, vs, 0.0, False, attn_mask=bias, scale=scale
+        )
+        # both back to the chunks' rows: [Tg, Hkv, r, D] and [Tg, Hkv, r]
+        o_s = o_s.view(f, hkv, r, n, d).permute(0, 3, 1, 2, 4).reshape(f * n, hkv, r, d)
+        o_s = o_s.index_select(0, valid).float()
+        lse_s = lse_s.view(f, hkv, r, n).permute(0, 3, 1, 2).reshape(f * n, hkv, r)
+        lse_s = lse_s.index_select(0, valid)
+        o_p = o_p.view(hkv, r, t, d).permute(2, 0, 1, 3).float()
+        w_p = torch.sigmoid(lse_p.view(hkv, r, t).permute(2, 0, 1) - lse_s).unsqueeze(-1)
+        o = o_s + (o_p - o_s) * w_p
+        out.index_copy_(0, rows, o.reshape(t, hkv * r, d).to(q.dtype))
+
+    def _prefill_group_plan(self, meta: AttentionMetadata, g: PrefixGroup, r: int, dtype, device):
+        """A prefill group's plan, built once per step: its rows of q `[Tg]`, the prefix's
+        slots `[Lp]`; for the suffix call, which of those rows fills each padded query row
+        `[F*n]` and back `[Tg]`, the chunks' slots after the prefix `[F, Ls]` (padded with
+        slot 0), and their causal mask as an additive bias `[F, 1, r*n, Ls]` (a padded
+        query row sees key 0 only, so no row is empty)."""
+        key = ("prefill-group", tuple(g.seq_indices), r, dtype)
+        plan = meta.cache.get(key)
+        if plan is not None:
+            return plan
+        bs = meta.block_size
+        blocks = torch.tensor(g.prefix_blocks, dtype=torch.long, device=device)
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=device)).flatten()
+        slots = slots[: g.prefix_len]
+        news = [meta.query_len(i) for i in g.seq_indices]
+        lens = [meta.seq_lens[i] - g.prefix_len for i in g.seq_indices]
+        f, n, ls = len(news), max(news), max(lens)
+        rows, pad_rows, valid, a = [], [], [], 0
+        suffix = torch.zeros(f, ls, dtype=torch.long, device=device)
+        allowed = torch.zeros(f, n, ls, dtype=torch.bool, device=device)
+        allowed[:, :, 0] = True
+        for c, i in enumerate(g.seq_indices):
+            s, e = meta.query_start[i], meta.query_start[i + 1]
+            rows.extend(range(s, e))
+            pad_rows.extend(list(range(a, a + news[c])) + [a] * (n - news[c]))
+            valid.extend(range(c * n, c * n + news[c]))
+            a += news[c]
+            suffix[c, : lens[c]] = self._slots(meta, i, meta.seq_lens[i], device)[g.prefix_len :]
+            # query j sits at suffix position lens - news + j and sees suffix keys 0..that
+            pos_q = torch.arange(lens[c] - news[c], lens[c], device=device).unsqueeze(1)
+            allowed[c, : news[c]] = torch.arange(ls, device=device).unsqueeze(0) <= pos_q
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        bias = bias.masked_fill(~allowed, float("-inf")).repeat(1, r, 1).unsqueeze(1)
+        plan = (
+            torch.tensor(rows, dtype=torch.long, device=device),
+            slots,
+            torch.tensor(pad_rows, dtype=torch.long, device=device),
+            torch.tensor(valid, dtype=torch.long, device=device),
+            suffix,
+            bias,
+        )
+        meta.cache[key] = plan
+        return plan
 
     def _shared_plan(self, meta: AttentionMetadata, g: PrefixGroup, device):
         """A prefix group's slots, built once per step (every layer reads the same): the
@@ -360,27 +492,30 @@ class TorchAttention(AttentionBackend):
 
 
 def find_prefix_groups(
-    meta: AttentionMetadata, gate: Callable[[int, int], bool]
+    meta: AttentionMetadata, gate: Callable[[int, int], bool], prefill: bool = False
 ) -> list[PrefixGroup]:
-    """Group decode rows whose block tables start with the same physical blocks.
+    """Group decode rows (or, with `prefill`, prefill chunks) whose block tables start with
+    the same physical blocks.
 
     Forked contexts share their ancestor's full blocks by reference (a shared partial block
     is copied on the child's first write), so equal leading block ids mean an equal,
     block-aligned prefix. Groups form at one level: the longest common run of blocks of all
     rows that share a first block. `gate(prefix_len, group_size)` decides if a group pays.
+    The prefix ends before any row's first new token.
     """
     bs = meta.block_size
     buckets: dict[int, list[int]] = {}
     for i in range(meta.num_seqs):
-        if meta.query_len(i) == 1 and meta.seq_lens[i] > bs:
+        n = meta.query_len(i)
+        if (n > 1 if prefill else n == 1) and meta.seq_lens[i] - n >= bs:
             buckets.setdefault(int(meta.block_tables[i, 0]), []).append(i)
     groups = []
     for members in buckets.values():
         if len(members) < 2:
             continue
         tables = meta.block_tables[members]
-        # the last block of each row is being written this step: never part of the prefix
-        full = min(meta.seq_lens[i] - 1 for i in members) // bs
+        # the blocks written this step are never part of the prefix
+        full = min(meta.seq_lens[i] - meta.query_len(i) for i in members) // bs
         common = 0
         while common < full and bool((tables[:, common] == tables[0, common]).all()):
             common += 1

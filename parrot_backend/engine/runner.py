@@ -166,10 +166,16 @@ class ModelRunner:
         if batch.copy_rows:
             meta.copy_rows = torch.tensor(batch.copy_rows, dtype=torch.long, device=dev)
             meta.copy_slots = torch.tensor(batch.copy_slots, dtype=torch.long, device=dev)
-        if self.backend.groups_prefixes and any(
-            batch.query_start[i + 1] - batch.query_start[i] == 1 for i in range(len(batch.seq_lens))
-        ):
+        qlens = [
+            batch.query_start[i + 1] - batch.query_start[i] for i in range(len(batch.seq_lens))
+        ]
+        if self.backend.groups_prefixes and 1 in qlens:
             meta.prefix_groups = find_prefix_groups(meta, self.backend.share_prefix)
+        if self.backend.groups_prefill and sum(n > 1 for n in qlens) > 1:
+            # forks' prefill chunks in one step (a program's users, say) may share a prefix
+            meta.prefill_groups = find_prefix_groups(
+                meta, self.backend.share_prefill_prefix, prefill=True
+            )
         return (
             torch.tensor(batch.ids, dtype=torch.long, device=dev),
             torch.tensor(batch.positions, dtype=torch.long, device=dev),

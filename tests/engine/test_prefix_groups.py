@@ -55,9 +55,12 @@ def test_forked_decodes_form_one_group_with_the_parents_full_blocks(tiny_model_d
 
 
 class PlainTorch(TorchAttention):
-    """The torch backend without its shared-prefix path (the default gate's opposite)."""
+    """The torch backend without its shared-prefix paths (the default gates' opposite)."""
 
     def share_prefix(self, prefix_len, group_size):
+        return False
+
+    def share_prefill_prefix(self, prefix_len, group_size):
         return False
 
 
@@ -67,13 +70,19 @@ class CountingTorch(TorchAttention):
 
     grouped_rows = 0
 
+    grouped_chunks = 0
+
     def share_prefix(self, prefix_len, group_size):
         return prefix_len >= 256 and group_size >= 4
+
+    def share_prefill_prefix(self, prefix_len, group_size):
+        return prefix_len >= 256 and group_size >= 2
 
     def forward(self, q, k_cache, v_cache, meta, scale):
         if "counted" not in meta.cache:
             meta.cache["counted"] = True
             self.grouped_rows += sum(len(g.seq_indices) for g in meta.prefix_groups)
+            self.grouped_chunks += sum(len(g.seq_indices) for g in meta.prefill_groups)
         return super().forward(q, k_cache, v_cache, meta, scale)
 
 
@@ -102,3 +111,44 @@ def test_torch_shared_prefix_decode_generates_what_plain_decode_generates(tiny_m
     grouped = CountingTorch()
     assert run(grouped) == run(PlainTorch())
     assert grouped.grouped_rows >= 4 * (sampling.max_tokens - 1)  # the path really ran
+    # the forks' suffixes of 7 and 20 tokens were prefilled in one step, as a group
+    assert grouped.grouped_chunks >= 2
+
+
+def test_grouped_fork_prefill_gives_the_logits_of_plain_prefill(tiny_model_dir):
+    """All-position logits of forks prefilling after a shared prefix, in one step: grouped
+    (the prefix read once for every chunk) equal the plain prefill's."""
+    from parrot_backend.engine.context import Request
+    from parrot_backend.engine.scheduler import Work
+
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(3, 49152, (300,), generator=g).tolist()  # 18 full blocks + 12
+    chunks = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 2, 33)]
+
+    def run(backend):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=96, progress=False)
+        engine.runner.backend = backend
+
+        async def go():
+            async with engine:
+                await engine.fill("p", None, prefix)
+                work = []
+                for i, chunk in enumerate(chunks):  # forks of "p", attached by hand
+                    ctx = engine.tree.open(f"c{i}", "p", None)
+                    engine.tree.register(ctx)
+                    engine.scheduler._attach(ctx)
+                    start = ctx.num_computed
+                    ctx.tokens.extend(chunk)
+                    req = Request("fill", ctx)
+                    assert engine.scheduler._reserve(req, start, len(chunk), set())
+                    work.append(Work(req, start, len(chunk)))
+                return engine.runner.logits_for(work)
+
+        return asyncio.run(go())
+
+    grouped = CountingTorch()
+    got = run(grouped)
+    assert grouped.grouped_chunks == len(chunks)
+    want = run(PlainTorch())
+    assert got.shape == want.shape == (sum(map(len, chunks)), want.shape[1])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

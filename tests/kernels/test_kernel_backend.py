@@ -26,7 +26,8 @@ HKV = 2
 B = BLOCK_SIZE
 
 
-# a step: ("fresh", seq_len, new tokens) or ("group", prefix_len, [suffix lengths])
+# a step: ("fresh", seq_len, new tokens) or ("group", prefix_len, [suffix lengths]); a
+# group's members decode one token each unless a fourth entry lists their new tokens
 MIXED = [
     ("fresh", 20, 20),  # prefill of a fresh context
     ("fresh", B + 1, 1),  # plain decode across a block boundary
@@ -57,7 +58,7 @@ def _batch(
     seqs: list[tuple[list[int], int, int]] = []  # (blocks, seq_len, new tokens)
     members_of: list[tuple[list[int], int, list[int]]] = []
     nxt = 1  # block 0 stays the padding entry of the block tables
-    for kind, a, b in spec:
+    for kind, a, b, *news in spec:
         if kind == "fresh":
             n = math.ceil(a / B)
             seqs.append((list(range(nxt, nxt + n)), a, b))
@@ -67,7 +68,8 @@ def _batch(
         members = []
         for j, suffix in enumerate(b):
             members.append(len(seqs))
-            seqs.append((rows[j, : math.ceil((a + suffix) / B)].tolist(), a + suffix, 1))
+            ql = news[0][j] if news else 1  # ("group", prefix, suffixes, new tokens)
+            seqs.append((rows[j, : math.ceil((a + suffix) / B)].tolist(), a + suffix, ql))
         members_of.append((members, a, blocks))
     order = torch.randperm(len(seqs), generator=gen).tolist() if shuffle else list(range(len(seqs)))
     where = {old: new for new, old in enumerate(order)}

@@ -51,10 +51,10 @@ def test_grouped_decode_equals_plain_decode_on_random_shuffled_batches(seed):
 def test_the_gate_groups_long_prefixes_read_by_enough_rows():
     backend = TorchAttention()
     assert backend.groups_prefixes
-    assert backend.share_prefix(768, 8) and backend.share_prefix(512, 12)
-    assert backend.share_prefix(4096, 2) and backend.share_prefix(1024, 16)
-    assert not backend.share_prefix(511, 16) and not backend.share_prefix(1024, 4)
-    assert not backend.share_prefix(256, 64) and not backend.share_prefix(2048, 2)
+    assert backend.share_prefix(768, 4) and backend.share_prefix(256, 12)
+    assert backend.share_prefix(1536, 2) and backend.share_prefix(1024, 16)
+    assert not backend.share_prefix(255, 64) and not backend.share_prefix(1024, 2)
+    assert not backend.share_prefix(256, 8) and not backend.share_prefix(512, 4)
     # forks' prefill chunks: from 512-token prefixes and 2,048 prefix tokens in all
     assert backend.groups_prefill
     assert backend.share_prefill_prefix(1024, 2) and backend.share_prefill_prefix(512, 4)

@@ -127,10 +127,10 @@ class AttentionBackend(ABC):
 # size grouped vs plain, 12 tokens per fork): 0.81-0.97x below 4,096 prefix tokens,
 # 512 x 8 1.06x, 1,024 x 4 0.96x, 512 x 16 1.25x, 1,024 x 8 1.85x, 1,024 x 16 1.93x.
 # The gate was then 512 tokens and 6,144 in all. With the group on SDPA's fused kernel
-# (AVX2 host, each grouped step beside a plain one on the same contexts, 64 tokens a fork;
-# benchmarks/results/apps/overhead-probe/gate_ab.py, two runs): 2,048 prefix tokens
-# 0.95-1.03x (256 x 8, 512 x 4, 1,024 x 2), 3,072 1.03-1.10x (256 x 12, 384 x 8,
-# 512 x 6, 768 x 4, 1,536 x 2), 4,096 1.10-1.21x (256 x 16, 512 x 8, 1,024 x 4, 2,048 x 2).
+# (AVX2 host, each grouped step beside a plain one on the same contexts, 32-64 tokens a
+# fork; benchmarks/results/apps/overhead-probe/gate_ab.py, three runs): 2,048 prefix tokens
+# 0.95-1.03x (256 x 8, 512 x 4, 1,024 x 2), 3,072 1.03-1.13x (256 x 12, 384 x 8,
+# 512 x 6, 768 x 4, 1,536 x 2), 4,096 1.02-1.21x (256 x 16, 512 x 8, 1,024 x 4, 2,048 x 2).
 TORCH_MIN_SHARED_PREFIX_LEN = 256
 TORCH_MIN_SHARED_PREFIX_TOKENS = 3072
 # ... and forks' prefill chunks read theirs once from these sizes. One SmolLM2 layer's

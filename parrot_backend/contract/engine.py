@@ -45,13 +45,19 @@ class EngineStats:
     contexts: int
     running: int
     waiting: int
-    tokens_computed: int  # tokens whose KV the model computed (prefill + decode)
+    # tokens whose KV the model computed and kept (prefill + decode; a decode step's draft
+    # tokens count here once kept, and all of them in `draft_tokens`)
+    tokens_computed: int
     tokens_generated: int
     preemptions: int
     steps: int
     # of tokens_computed, the prompt tokens (what fills and prompts added, not the tokens
     # generations fed back); None: the engine does not tell them from decode tokens
     prefill_tokens_computed: int | None = None
+    # draft tokens checked in decode steps (prompt lookup, `engine/speculate.py`) and how
+    # many of them were kept; None: the engine does not draft
+    draft_tokens: int | None = None
+    draft_tokens_accepted: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property

@@ -40,6 +40,11 @@ class EngineConfig:
     # seconds after a request ends during which less urgent work keeps to that eighth per
     # step (the next call of a latency chain is likely on its way); 0: off
     urgent_linger: float = 0.25
+    # draft tokens a greedy decode row checks per step (prompt lookup, `speculate.py`),
+    # in steps of at most `speculate_rows` decode rows; None: by device
+    # (`pick_speculate`); 0: off
+    speculate: int | None = None
+    speculate_rows: int | None = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -108,3 +113,27 @@ def pick_linger(seconds: float) -> float:
     if not (isinstance(seconds, int | float) and 0 <= seconds < float("inf")):
         raise ValueError(f"urgent_linger must be a finite number of seconds >= 0, got {seconds!r}")
     return float(seconds)
+
+
+def pick_speculate(config: EngineConfig, device: torch.device) -> tuple[int, int]:
+    """(speculate, speculate_rows): draft tokens per greedy decode row, and the most
+    decode rows a step may have for its rows to draft (`engine/speculate.py`). On a CPU
+    a step's time grows slowly with its first few rows (the weights are read once per
+    step), so a lone greedy generation that copies from its context gains; past a few
+    rows the drafts' rows cost more than they save. CUDA: off until measured there."""
+    for name in ("speculate", "speculate_rows"):
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, int) and value >= 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    cpu = device.type == "cpu"
+    k = config.speculate
+    if k is None:
+        k = SPECULATE_CPU[0] if cpu else 0
+    rows = config.speculate_rows
+    if rows is None:
+        rows = SPECULATE_CPU[1] if cpu else 8
+    return k, rows
+
+
+# CPU defaults of (speculate, speculate_rows)
+SPECULATE_CPU = (4, 2)

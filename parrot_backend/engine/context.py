@@ -14,6 +14,7 @@ from .block_pool import chain_hash, root_hash
 from .detokenizer import Detokenizer
 from .grammar import GrammarState
 from .sampler import Sampler
+from .speculate import Drafter
 
 
 class Context:
@@ -110,6 +111,7 @@ class Request:
     matched: bool = False  # asked the prefix cache since it was (re)admitted
     done: bool = False
     eos_ids: frozenset[int] = frozenset()
+    drafter: Drafter | None = None  # a greedy generation that may check draft tokens
 
     @property
     def pending(self) -> int:

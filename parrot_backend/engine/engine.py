@@ -26,7 +26,7 @@ from parrot_backend.contract.sampling import Constraint, SamplingParams
 
 from .attention import make_backend
 from .block_pool import BlockPool
-from .config import EngineConfig, pick_backend, pick_background, pick_linger
+from .config import EngineConfig, pick_backend, pick_background, pick_linger, pick_speculate
 from .context import Context, Request
 from .context_tree import ContextTree
 from .detokenizer import Detokenizer
@@ -36,6 +36,7 @@ from .models.linear import pick_linear
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .speculate import Drafter
 from .step_loop import StepLoop, compute_executor
 from .threads import ThreadTuner, available_cores
 from .tokens import decode_tokens, encode_segment, special_token_ids
@@ -100,6 +101,7 @@ class Engine(StepLoop):
         self.tree = ContextTree(self.pool, self.max_model_len)
         self.contexts: dict[Hashable, Context] = self.tree.contexts
         background = pick_background(config, device)
+        speculate = pick_speculate(config, device)
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=config.max_num_seqs,
@@ -109,12 +111,16 @@ class Engine(StepLoop):
             background_tokens=background[0],
             background_every=background[1],
             linger=pick_linger(config.urgent_linger),
+            speculate=speculate[0],
+            speculate_rows=speculate[1],
+            max_model_len=self.max_model_len,
         )
         self._grammars: GrammarCompiler | None = None  # built by the first constraint
         self._grammars_lock: asyncio.Lock | None = None
         self.tokens_computed = 0
         self.prefill_tokens_computed = 0  # of those, prompt tokens (not sampled ones' KV)
         self.tokens_generated = 0
+        self.drafted = self.draft_accepted = 0
         self.ended = self._seen_ended = 0
         self.submitted = 0
         self.steps = 0
@@ -259,6 +265,9 @@ class Engine(StepLoop):
             priority=priority,
             eos_ids=frozenset() if sampling.ignore_eos else self.eos_ids,
         )
+        if self.scheduler.speculate and sampling.greedy and not sampling.penalized:
+            if sampling.constraint is None:
+                req.drafter = Drafter()  # its decode steps may check drafts (`speculate.py`)
         self._submit(req)
         try:
             while True:
@@ -295,6 +304,8 @@ class Engine(StepLoop):
             waiting=len(s.waiting),
             tokens_computed=self.tokens_computed,
             prefill_tokens_computed=self.prefill_tokens_computed,
+            draft_tokens=self.drafted,
+            draft_tokens_accepted=self.draft_accepted,
             tokens_generated=self.tokens_generated,
             preemptions=s.preemptions,
             steps=self.steps,

@@ -17,6 +17,7 @@ import torch
 from .attention import AttentionBackend, AttentionMetadata, find_prefix_groups
 from .sampler import Sampler
 from .scheduler import Work
+from .speculate import accept
 
 
 @dataclass(slots=True)
@@ -40,10 +41,14 @@ class Batch:
     # parent's partial block, in a fork that joined the parent's step)
     copy_rows: list[int]
     copy_slots: list[int]
+    # per sequence: draft tokens computed after its context's last token (their greedy
+    # checks make the row's result a list of tokens, `speculate.accept`), or None
+    drafts: list[list[int] | None]
 
 
-# a token, the error of this row, a fill's kept last hidden state, or nothing
-StepResult = int | BaseException | torch.Tensor | None
+# a token, the tokens of a row with drafts, the error of this row, a fill's kept last
+# hidden state, or nothing
+StepResult = int | list[int] | BaseException | torch.Tensor | None
 
 
 class ModelRunner:
@@ -115,6 +120,7 @@ class ModelRunner:
         kept: list[tuple[int, torch.Tensor, Sampler]] = []
         copy_rows: list[int] = []
         copy_slots: list[int] = []
+        drafts: list[list[int] | None] = []
         for j, w in enumerate(work):
             ctx = w.req.ctx
             end = w.start + w.n
@@ -127,13 +133,18 @@ class ModelRunner:
                 copy_slots.append(slot)
             keep.append(w.req.kind == "fill" and end == len(ctx.tokens))
             ids.extend(ctx.tokens[w.start : end])
+            draft = w.draft if w.samples else None
+            if draft:  # checked after the context's last token, in the same row
+                ids.extend(draft)
+                end += len(draft)
             positions.extend(range(w.start, end))
             blocks = list(ctx.blocks)
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(w.start, end))
-            starts.append(starts[-1] + w.n)
+            starts.append(starts[-1] + end - w.start)
             seq_lens.append(end)
             tables.append(blocks)
             samplers.append(w.req.sampler if w.samples else None)
+            drafts.append(draft or None)
         return Batch(
             ids,
             positions,
@@ -148,6 +159,7 @@ class ModelRunner:
             len(work),
             copy_rows,
             copy_slots,
+            drafts,
         )
 
     def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -191,11 +203,17 @@ class ModelRunner:
         out: list[StepResult] = [None] * batch.size
         last: list[torch.Tensor] = []  # final hidden states to sample from, in this order
         who: list[tuple[int, Sampler]] = []
+        checks: list[tuple[int, torch.Tensor, list[int]]] = []  # rows with drafts
         if batch.ids:
             ids, positions, meta = self._tensors(batch)
             hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
             for i, j in enumerate(batch.rows):
-                h = hidden[batch.query_start[i + 1] - 1]
+                end = batch.query_start[i + 1]
+                draft = batch.drafts[i]
+                if draft is not None:  # the last real token's state and each draft token's
+                    checks.append((j, hidden[end - len(draft) - 1 : end], draft))
+                    continue
+                h = hidden[end - 1]
                 if batch.samplers[i] is not None:
                     last.append(h)
                     who.append((j, batch.samplers[i]))
@@ -204,6 +222,13 @@ class ModelRunner:
         for j, h, sampler in batch.kept:
             last.append(h)
             who.append((j, sampler))
+        if checks:  # greedy rows only (`Drafter`): their picks are the logits' argmax
+            logits = self.model.logits(torch.cat([h for _, h, _ in checks]))
+            picks = logits.argmax(dim=-1).tolist()
+            at = 0
+            for j, h, draft in checks:
+                out[j] = accept(draft, picks[at : at + len(h)])
+                at += len(h)
         if last:
             logits = self.model.logits(torch.stack(last))
             for k, (j, sampler) in enumerate(who):

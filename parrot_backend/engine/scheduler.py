@@ -63,6 +63,9 @@ class Work:
     # (position, slot): also write this chunk's KV of that position at that slot, in a
     # block of a fork that joined this step (the module doc)
     copies: list[tuple[int, int]] | None = None
+    # draft tokens computed after the context's last token (a greedy generation's guess
+    # of its next tokens, `speculate.py`): positions [start + n, start + n + len(draft))
+    draft: list[int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -94,6 +97,9 @@ class Scheduler:
         background_tokens: int | None = None,
         background_every: int = 0,
         linger: float = 0.0,
+        speculate: int = 0,
+        speculate_rows: int = 0,
+        max_model_len: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
@@ -110,6 +116,11 @@ class Scheduler:
         self.linger = linger
         self._now = clock
         self._lingering: tuple[int, float] | None = None  # (priority, until)
+        # draft tokens per greedy decode row (prompt lookup, `speculate.py`), in steps with
+        # at most `speculate_rows` decode rows (0: never)
+        self.speculate = speculate
+        self.speculate_rows = speculate_rows
+        self.max_model_len = max_model_len
         self.copy_block = copy_block  # copy-on-write: copy KV of block src into dst
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -180,6 +191,9 @@ class Scheduler:
                 background = max(background, self.max_batched_tokens // 8)
         else:
             urgent = None
+        drafting = self.speculate > 0 and self._decode_rows(order, urgent, background) <= (
+            self.speculate_rows
+        )
         for req in order:
             if req not in self.running:
                 continue  # preempted while planning an earlier request
@@ -222,7 +236,10 @@ class Scheduler:
                     continue  # its turn comes in a step with room (later, or no urgent work)
             if n == 0:
                 break
-            if not self._reserve(req, ctx.num_computed, n, planned):
+            draft = None
+            if drafting and n == req.pending and not behind:  # its chunk ends the context
+                draft = self._draft(req, budget - n)
+            if not self._reserve(req, ctx.num_computed, n + len(draft or ()), planned):
                 if not work:  # alone and still too big: waiting would never help
                     self.running.remove(req)
                     failed.append(
@@ -242,9 +259,9 @@ class Scheduler:
                 # block j - 1 ends in this chunk: its cache key is the chain hash of j blocks
                 first, end = ctx.num_computed // bs + 1, (ctx.num_computed + n) // bs + 1
                 computing.update(ctx.block_hash(j) for j in range(first, end))
-            work.append(Work(req, ctx.num_computed, n))
+            work.append(Work(req, ctx.num_computed, n, draft=draft))
             planned.add(id(req))
-            budget -= n
+            budget -= n + len(draft or ())
             if behind:
                 background -= n
         self.joined = {}
@@ -290,6 +307,31 @@ class Scheduler:
                 if behind:
                     background -= n
         return work, finished, failed
+
+    def _decode_rows(self, order: list[Request], urgent: int | None, background: int) -> int:
+        """How many decode rows this step will have (the rows less urgent work may not
+        take are left out)."""
+        return sum(
+            1
+            for r in order
+            if r.kind == "generate"
+            and r.pending <= 1
+            and not (urgent is not None and r.priority > urgent and background < 1)
+        )
+
+    def _draft(self, req: Request, room: int) -> list[int] | None:
+        """Draft tokens for a greedy decode row (`speculate.py`): at most `speculate`, no
+        more than the step's room, the request's remaining tokens less one, and the
+        model's length allow; None when the request may not draft or nothing matches."""
+        drafter = req.drafter
+        if drafter is None:
+            return None
+        k = min(self.speculate, room, req.sampling.max_tokens - req.generated - 1)
+        ctx = req.ctx
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - len(ctx.tokens) - 1)
+        draft = drafter.propose(ctx.tokens, k)
+        return draft or None
 
     def _admit(self) -> None:
         # by priority, then arrival (preempted requests keep their place): a latency call

@@ -83,6 +83,8 @@ class StepLoop:
     tokens_computed: int
     prefill_tokens_computed: int
     tokens_generated: int
+    drafted: int  # draft tokens checked (`speculate.py`)
+    draft_accepted: int  # of those, kept
     ended: int  # requests finished (or failed) so far
     submitted: int  # requests submitted so far
     _seen_ended: int  # `ended` when the last step was planned
@@ -288,7 +290,7 @@ class StepLoop:
                     token = StepFailed(f"sampling this request failed: {token!r}")
                 self._fail(req, token)
                 continue
-            self.tokens_computed += w.n
+            self.tokens_computed += w.n  # and a row's kept drafts (`_emit_checked`)
             if req.kind == "fill" or req.prompt_end is None:
                 self.prefill_tokens_computed += w.n
             else:  # positions before the generation began are prompt (a recompute too)
@@ -297,6 +299,9 @@ class StepLoop:
                 continue
             before = ctx.num_computed
             ctx.num_computed = w.start + w.n
+            if isinstance(token, list):  # a row with drafts: its kept tokens, in order
+                self._emit_checked(req, w, token)
+                token = None
             for k in range(before // bs, ctx.num_computed // bs):
                 # publish blocks that just became full for the token-level prefix cache
                 self.pool.register(
@@ -319,6 +324,24 @@ class StepLoop:
                 if not fork.ctx.freed:
                     self.scheduler.unjoin(fork.ctx)
                 self._fail(fork, StepFailed("its parent's fill failed in the step it joined"))
+
+    def _emit_checked(self, req: Request, w: Work, tokens: list[int]) -> None:
+        """Hand a request the tokens of its row with drafts (`speculate.accept`): the
+        drafts it kept, then the model's next token. The kept drafts' KV, computed in the
+        step, is good: the context counts it as computed once they are its tokens."""
+        self.drafted += len(w.draft)
+        self.draft_accepted += len(tokens) - 1
+        if req.done:
+            return  # cancelled while the step ran
+        end = w.start + w.n
+        for token in tokens:
+            self._emit(req, token)
+            if req.done:
+                break
+        # the drafts' KV, up to the ones now in the context (not past an EOS, a stop or
+        # the length, where the generation ended); drafts not kept count only as drafts
+        req.ctx.num_computed = min(end + len(tokens) - 1, len(req.ctx.tokens))
+        self.tokens_computed += req.ctx.num_computed - end
 
     def _emit(self, req: Request, token: int) -> None:
         ctx, p = req.ctx, req.sampling

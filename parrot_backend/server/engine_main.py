@@ -107,6 +107,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="every N-th step beside more urgent work, less urgent work gets an eighth of "
         "the step budget; 0: never (default: 6 on CPU, 0 on CUDA)",
     )
+    p.add_argument(
+        "--speculate",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="draft tokens a greedy generation checks per decode step, guessed from its "
+        "own context (prompt lookup; the output is what plain greedy decoding gives); "
+        "0: off (default: 4 on CPU, 0 on CUDA; docs/engine.md, Drafts)",
+    )
+    p.add_argument(
+        "--speculate-rows",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="draft only in steps with at most N decode rows (default: 2 on CPU)",
+    )
 
 
 def _seconds(text: str) -> float:
@@ -143,6 +159,8 @@ def load_engine(args: argparse.Namespace) -> Engine:
         background_every=args.background_every,
         linear=args.linear,
         urgent_linger=args.urgent_linger,
+        speculate=args.speculate,
+        speculate_rows=args.speculate_rows,
     )
 
 

@@ -53,6 +53,17 @@ class _EngineCollector(Collector):
                 "Prompt tokens whose KV the engine computed (of tokens computed)",
                 value=s.prefill_tokens_computed,
             )
+        if s.draft_tokens is not None:
+            yield CounterMetricFamily(
+                "parrot_engine_draft_tokens",
+                "Draft tokens checked in decode steps (prompt lookup)",
+                value=s.draft_tokens,
+            )
+            yield CounterMetricFamily(
+                "parrot_engine_draft_tokens_accepted",
+                "Draft tokens kept: equal to the model's greedy choice",
+                value=s.draft_tokens_accepted,
+            )
         yield CounterMetricFamily(
             "parrot_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache",

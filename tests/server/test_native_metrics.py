@@ -122,6 +122,19 @@ async def test_prefill_tokens_are_exported_when_the_engine_counts_them():
     # an engine that does not tell prompt tokens from decode tokens gets no series, not a 0
     text = (await ServerMetrics().render(uncounted)).decode()
     assert "parrot_engine_prefill_tokens_computed" not in text
+    assert "parrot_engine_draft_tokens" not in text  # nor one that does not draft
+
+
+async def test_draft_tokens_are_exported_when_the_engine_drafts():
+    drafting = FakeEngine()
+
+    async def stats() -> EngineStats:
+        return block_stats(16, 1600, 0, draft_tokens=40, draft_tokens_accepted=25)
+
+    drafting.stats = stats
+    text = (await ServerMetrics().render(drafting)).decode()
+    assert _value(text, "parrot_engine_draft_tokens_total") == 40
+    assert _value(text, "parrot_engine_draft_tokens_accepted_total") == 25
 
 
 async def test_new_work_gets_429_while_the_backlog_is_full(tmp_path):

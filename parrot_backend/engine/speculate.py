@@ -1,0 +1,80 @@
+"""Prompt-lookup drafts for greedy decoding: guess the next tokens from the context itself.
+
+A greedy generation that copies from its context (a summary repeating its document's
+phrases, an engineer's code naming the design's functions) can take several tokens in
+one step: the engine appends a few *draft* tokens after the last sampled one, computes
+them all in one forward pass (a step of d + 1 tokens costs little more than a step of
+one on a CPU or a GPU at a small batch: the weights are read once), and keeps each draft
+token that equals the model's own greedy choice at its position, plus the model's next
+token after the last kept one. What is kept is what plain greedy decoding would have
+produced (up to the floating-point differences that batching already brings); a wrong
+draft costs only the extra rows of that step.
+
+The drafts come from the context: the most recent earlier place where the context's
+last `n` tokens (n = `MAX_NGRAM` down to `MIN_NGRAM`) also occur, and the tokens that
+followed them there (prompt lookup, as vLLM's "ngram" speculator and transformers'
+`prompt_lookup_num_tokens` do). No second model is involved.
+
+`Drafter` keeps an index of the context's n-grams (the latest position after each),
+extended as tokens are appended, so a proposal costs a dictionary lookup per n, not a
+scan of the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_NGRAM = 3
+MIN_NGRAM = 1
+
+
+class Drafter:
+    """Proposes draft tokens for one generation from its context's own tokens."""
+
+    __slots__ = ("_index", "_indexed")
+
+    def __init__(self) -> None:
+        # n-gram -> the position just after its latest occurrence whose continuation is
+        # known (an n-gram ending at the context's last token is indexed once a token
+        # follows it)
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        index = self._index
+        # the n-grams ending at position e - 1 for every e whose continuation (position e)
+        # exists: e runs up to len(tokens) - 1
+        for e in range(max(self._indexed, 1), len(tokens)):
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if e - n < 0:
+                    break
+                index[tuple(tokens[e - n : e])] = e
+        self._indexed = max(self._indexed, len(tokens))
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the context's
+        longest matching suffix (`MAX_NGRAM` tokens down to `MIN_NGRAM`); [] if none."""
+        if k <= 0 or len(tokens) < 2:
+            return []
+        if len(tokens) < self._indexed:  # the context was cut back: index it again
+            self._index.clear()
+            self._indexed = 0
+        self._extend(tokens)
+        end = len(tokens)
+        for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
+            at = self._index.get(tuple(tokens[end - n :]))
+            if at is not None:
+                return list(tokens[at : at + k])
+        return []
+
+
+def accept(draft: Sequence[int], predicted: Sequence[int]) -> list[int]:
+    """The tokens a verified step yields: `predicted[i]` is the greedy token after the
+    context plus `draft[:i]`; each draft token equal to its prediction is kept, and the
+    prediction after the last kept one ends the list (1 to len(draft) + 1 tokens)."""
+    out = [predicted[0]]
+    for i, token in enumerate(draft):
+        if token != predicted[i]:
+            break
+        out.append(predicted[i + 1])
+    return out

@@ -1,0 +1,345 @@
+"""Prompt-lookup drafts (`engine/speculate.py`): a greedy generation checks tokens guessed
+from its own context in one step, and keeps exactly what plain greedy decoding gives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from parrot_backend.contract.sampling import Constraint, SamplingParams
+from parrot_backend.engine.config import EngineConfig, pick_speculate
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.speculate import Drafter, accept
+
+from .helpers import collect, complete
+
+
+# ----------------------------------------------------------------- the drafter alone
+def test_drafter_takes_what_followed_the_latest_earlier_match():
+    d = Drafter()
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 9, 8, 1, 2, 3]
+    # the tail (1, 2, 3) occurred at 0 and at 5; the latest (5) was followed by 9, 8, 1
+    assert d.propose(tokens, 3) == [9, 8, 1]
+    assert d.propose(tokens, 1) == [9]
+    assert d.propose(tokens, 0) == []
+    # appended tokens are indexed on the next call: (2, 3, 7) is new, (3, 7) too, but 7
+    # followed nothing yet and the unigram 7 has no earlier occurrence
+    tokens += [7]
+    assert d.propose(tokens, 2) == []
+    tokens += [4]  # ... (3, 7, 4): no; (7, 4): no; 4 followed 3 at position 3: 5, 1
+    assert d.propose(tokens, 2) == [5, 1]
+
+
+def test_drafter_prefers_the_longest_match_and_stops_at_the_context_end():
+    d = Drafter()
+    # unigram 3 last occurred at 4 (followed by 6), but the bigram (2, 3) at 1-2 (then 4)
+    tokens = [1, 2, 3, 4, 3, 6, 2, 3]
+    assert d.propose(tokens, 2) == [4, 3]
+    # a continuation shorter than k: what there is
+    assert Drafter().propose([5, 6, 5], 4) == [6, 5]
+    assert Drafter().propose([5], 4) == []
+    # a context cut back (not done by the engine, but harmless): indexed again
+    d2 = Drafter()
+    d2.propose([1, 2, 1, 2, 1], 2)
+    assert d2.propose([4, 5, 4], 2) == [5, 4]
+
+
+def test_accept_keeps_the_matching_drafts_and_the_next_prediction():
+    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, plus the bonus
+    assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # second draft wrong: model's 9
+    assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]  # the first wrong: one token, as plain
+    assert accept([], [3]) == [3]
+
+
+def test_pick_speculate_defaults_and_checks():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_speculate(EngineConfig(), cpu) == (4, 2)
+    assert pick_speculate(EngineConfig(), cuda)[0] == 0
+    assert pick_speculate(EngineConfig(speculate=0), cpu)[0] == 0
+    assert pick_speculate(EngineConfig(speculate=6, speculate_rows=1), cpu) == (6, 1)
+    for bad in (-1, 2.5, "4"):
+        with pytest.raises(ValueError, match="speculate"):
+            pick_speculate(EngineConfig(speculate=bad), cpu)
+
+
+# ----------------------------------------------------------------- end to end
+# The tiny random model does not copy from its context, so the real drafter rarely finds
+# anything there. An oracle drafter knows each prompt's plain greedy tokens and proposes
+# them with every third draft's second token wrong: rows keep all, some or none of their
+# drafts, and later tokens read the KV that kept drafts wrote.
+
+
+class OracleDrafter:
+    known: list[list[int]] = []  # prompt + plain greedy tokens, one list per generation
+
+    def propose(self, tokens, k):
+        for seq in self.known:
+            if seq[: len(tokens)] == list(tokens) and len(seq) > len(tokens):
+                draft = seq[len(tokens) : len(tokens) + k]
+                if len(tokens) % 3 == 0 and len(draft) > 1:
+                    draft[1] = (draft[1] + 1) % 49152  # a wrong guess
+                return draft
+        return []
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    monkeypatch.setattr("parrot_backend.engine.engine.Drafter", OracleDrafter)
+    OracleDrafter.known = []
+    return OracleDrafter
+
+
+def _prompts(engine, n):
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(3, engine.vocab_size, (9 + 4 * k,), generator=g).tolist() for k in range(n)
+    ]
+
+
+def _engines(model_dir, **kw):
+    plain = Engine.from_pretrained(model_dir, num_blocks=96, progress=False, speculate=0, **kw)
+    drafting = Engine.from_pretrained(
+        model_dir, num_blocks=96, progress=False, speculate=4, speculate_rows=8, **kw
+    )
+    return plain, drafting
+
+
+async def _each(engine, prompts, sampling, prefix):
+    async with engine:
+        return await asyncio.gather(
+            *(complete(engine, f"{prefix}{i}", p, sampling) for i, p in enumerate(prompts))
+        )
+
+
+def test_kept_drafts_give_plain_greedy_tokens_in_fewer_steps(tiny_model_dir, oracle):
+    from transformers import AutoModelForCausalLM
+
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 3)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    oracle.known = [p + w for p, w in zip(prompts, want, strict=True)]
+    got = asyncio.run(_each(drafting, prompts, sampling, "d"))
+    assert got == want
+    s = drafting.stats_now()
+    assert 0 < s.draft_tokens_accepted < s.draft_tokens  # some kept, some not
+    assert s.steps < plain.stats_now().steps  # kept drafts: fewer steps for the same tokens
+    assert s.tokens_generated == plain.stats_now().tokens_generated == 3 * 40
+    # KV kept: every prompt and generated token's once, as without drafts (a kept draft's
+    # KV is the KV of the token it turned out to be; the others count as drafts only)
+    assert s.tokens_computed == plain.stats_now().tokens_computed
+    assert plain.stats_now().draft_tokens == 0
+    # and both are transformers' greedy tokens
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        ref = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=40,
+            min_new_tokens=40,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert tokens == ref[0, len(prompt) :].tolist()
+
+
+class WrongDrafter:
+    """Always proposes k tokens, (almost) never the right ones."""
+
+    def propose(self, tokens, k):
+        return [(tokens[-1] + 1 + i) % 49152 for i in range(k)]
+
+
+@pytest.fixture
+def always_drafts(monkeypatch):
+    monkeypatch.setattr("parrot_backend.engine.engine.Drafter", WrongDrafter)
+
+
+def test_wrong_drafts_only_cost_rows(tiny_model_dir, always_drafts):
+    """A drafter that is always wrong: every decode step checks drafts, none is kept,
+    and the tokens are still the plain ones."""
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 2)
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    assert asyncio.run(_each(drafting, prompts, sampling, "d")) == want
+    s = drafting.stats_now()
+    assert s.draft_tokens > 0 and s.draft_tokens_accepted == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9, 17])
+def test_drafts_never_run_past_max_tokens(tiny_model_dir, oracle, max_tokens):
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 2)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    # the oracle knows more than max_tokens: drafts past the limit would be kept
+    longer = asyncio.run(
+        _each(plain, prompts, SamplingParams(max_tokens=max_tokens + 8, ignore_eos=True), "q")
+    )
+    oracle.known = [p + w for p, w in zip(prompts, longer, strict=True)]
+    got = asyncio.run(_each(drafting, prompts, sampling, "d"))
+    assert got == want
+    assert all(len(t) == max_tokens for t in got)
+
+
+def test_stop_strings_and_stop_tokens_end_a_drafted_row_where_plain_decoding_ends(
+    tiny_model_dir, oracle
+):
+    plain, drafting = _engines(tiny_model_dir)
+    prompt = _prompts(plain, 1)[0]
+    free = asyncio.run(_each(plain, [prompt], SamplingParams(max_tokens=40, ignore_eos=True), "f"))
+    oracle.known = [prompt + free[0]]
+    stop_text = plain.detokenize(free[0][12:14])
+    assert stop_text.strip()  # a stop string that the text reaches mid-way
+
+    async def gen(engine, sampling, tag):
+        async with engine:
+            await engine.fill(tag, None, prompt)
+            tokens, text, deltas = await collect(engine, tag, None, sampling)
+            # what the context holds after the generation is the same too
+            return tokens, text, deltas[-1].finish_reason, engine.context_tokens(tag)
+
+    for i, sampling in enumerate(
+        (
+            SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop_text]),
+            SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[free[0][9]]),
+        )
+    ):
+        want = asyncio.run(gen(plain, sampling, f"p{i}"))
+        assert asyncio.run(gen(drafting, sampling, f"d{i}")) == want
+        assert len(want[0]) < 40  # it did stop early
+    assert drafting.stats_now().draft_tokens_accepted > 0
+
+
+def test_forks_draft_without_touching_their_parents_blocks(tiny_model_dir, oracle):
+    """Forks of one unaligned prefix write their drafts' KV into their own copies of the
+    shared partial block (copy-on-write): the parent generates what it would alone."""
+
+    async def run(engine, prefix):
+        sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+        async with engine:
+            await engine.fill("root", None, prefix)
+            forks = await asyncio.gather(
+                *(collect(engine, f"f{i}", "root", sampling) for i in range(3))
+            )
+            parent = await collect(engine, "root", None, sampling)
+            return [f[0] for f in forks], parent[0]
+
+    plain, drafting = _engines(tiny_model_dir)
+    prefix = _prompts(plain, 2)[1]  # 13 tokens: the shared block is partial
+    want = asyncio.run(run(plain, prefix))
+    oracle.known = [prefix + want[0][0]]  # every fork and then the parent: the same text
+    assert asyncio.run(run(drafting, prefix)) == want
+    assert drafting.stats_now().draft_tokens_accepted > 0
+
+
+def test_only_plain_greedy_rows_draft(tiny_model_dir, always_drafts):
+    """Sampled, penalized and constrained generations never draft; greedy ones do."""
+    _, drafting = _engines(tiny_model_dir)
+    prompt = _prompts(drafting, 1)[0]
+
+    async def run():
+        async with drafting:
+            for i, sampling in enumerate(
+                (
+                    SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True),
+                    SamplingParams(max_tokens=16, frequency_penalty=0.5, ignore_eos=True),
+                    SamplingParams(max_tokens=16, constraint=Constraint("regex", "[a-z ]{1,40}")),
+                )
+            ):
+                await complete(drafting, f"x{i}", prompt, sampling)
+            assert drafting.stats_now().draft_tokens == 0
+            await complete(drafting, "g", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+            assert drafting.stats_now().draft_tokens > 0
+
+    asyncio.run(run())
+
+
+def test_no_drafts_in_steps_with_more_decode_rows_than_allowed(tiny_model_dir, always_drafts):
+    engine = Engine.from_pretrained(
+        tiny_model_dir, num_blocks=96, progress=False, speculate=4, speculate_rows=1
+    )
+    prompts = _prompts(engine, 3)
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def run():
+        async with engine:
+            # three rows decode together in every step: none of them drafts
+            await asyncio.gather(
+                *(complete(engine, f"m{i}", p, sampling) for i, p in enumerate(prompts))
+            )
+            assert engine.stats_now().draft_tokens == 0
+            await complete(engine, "alone", prompts[0], SamplingParams(max_tokens=24))
+            assert engine.stats_now().draft_tokens > 0
+
+    asyncio.run(run())
+
+
+def test_a_background_row_beside_urgent_work_does_not_draft(tiny_model_dir, always_drafts):
+    """A less urgent generation that rides along in a latency call's steps gets its
+    share of the step, not drafts on top of it."""
+    engine = Engine.from_pretrained(
+        tiny_model_dir,
+        num_blocks=96,
+        progress=False,
+        speculate=4,
+        speculate_rows=8,
+        background_tokens=1,
+        background_every=0,
+        urgent_linger=0,
+    )
+    prompts = _prompts(engine, 2)
+    plan = []
+    original = engine.scheduler.schedule
+
+    def spy():
+        work, finished, failed = original()
+        plan.append([(w.req.priority, bool(w.draft)) for w in work])
+        return work, finished, failed
+
+    engine.scheduler.schedule = spy
+
+    async def run():
+        async with engine:
+            await engine.fill("u", None, prompts[0])
+            await engine.fill("b", None, prompts[1])
+            s = SamplingParams(max_tokens=30, ignore_eos=True)
+            await asyncio.gather(
+                collect(engine, "u", None, s, priority=0),
+                collect(engine, "b", None, s, priority=1),
+            )
+
+    asyncio.run(run())
+    both = [step for step in plan if {p for p, _ in step} == {0, 1}]
+    assert both, "the two generations never shared a step"
+    assert not any(d for step in both for p, d in step if p == 1)
+    assert any(d for step in plan for p, d in step if p == 0)
+
+
+@pytest.mark.slow
+def test_smollm2_summary_with_drafts_equals_transformers(smollm2_dir):
+    """The real model on a summarisation prompt (copying from its context): drafts are
+    kept, and the tokens are transformers' greedy ones."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.from_pretrained(smollm2_dir, num_blocks=128, progress=False)
+    text = (
+        "You keep a running summary of a long document.\nNext part:\n"
+        "The river town of Alder keeps a lantern fair each autumn. The lantern fair "
+        "brings boats from the coast, and the boats carry oil, rope and glass. "
+        "The glass makers of Alder sell lanterns to the boats.\nUpdated summary:"
+    )
+    prompt = engine.tokenize(text)
+    got = asyncio.run(_each(engine, [prompt], SamplingParams(max_tokens=40), "s"))[0]
+    s = engine.stats_now()
+    assert s.draft_tokens_accepted > 0
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    ref = model.generate(
+        torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    eos = set(engine.eos_ids)
+    assert got == [t for t in ref if t not in eos][: len(got)] and len(got) >= 1
+    assert len(got) == len([t for t in ref if t not in eos])

@@ -57,6 +57,8 @@ def _record_steps(engine, log: deque) -> None:
                 "tokens": tokens,
                 "decode": decode,
                 "prefill": tokens - decode,
+                # draft tokens the decode rows checked (`engine/speculate.py`)
+                "drafts": sum(len(getattr(w, "draft", None) or ()) for w in work),
                 "latency_rows": sum(1 for w in work if w.req.priority == 0),
                 "threads": _threads(engine),
                 # the count this step ran with (a probe's tried count included)

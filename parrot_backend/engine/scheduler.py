@@ -236,10 +236,7 @@ class Scheduler:
                     continue  # its turn comes in a step with room (later, or no urgent work)
             if n == 0:
                 break
-            draft = None
-            if drafting and n == req.pending and not behind:  # its chunk ends the context
-                draft = self._draft(req, budget - n)
-            if not self._reserve(req, ctx.num_computed, n + len(draft or ()), planned):
+            if not self._reserve(req, ctx.num_computed, n, planned):
                 if not work:  # alone and still too big: waiting would never help
                     self.running.remove(req)
                     failed.append(
@@ -259,6 +256,11 @@ class Scheduler:
                 # block j - 1 ends in this chunk: its cache key is the chain hash of j blocks
                 first, end = ctx.num_computed // bs + 1, (ctx.num_computed + n) // bs + 1
                 computing.update(ctx.block_hash(j) for j in range(first, end))
+            draft = None
+            if drafting and n == req.pending and not behind:  # its chunk ends the context
+                draft = self._draft(req, budget - n)
+                if draft and not self._room_for_draft(req, n, len(draft)):
+                    draft = None
             work.append(Work(req, ctx.num_computed, n, draft=draft))
             planned.add(id(req))
             budget -= n + len(draft or ())
@@ -332,6 +334,21 @@ class Scheduler:
             k = min(k, self.max_model_len - len(ctx.tokens) - 1)
         draft = drafter.propose(ctx.tokens, k)
         return draft or None
+
+    def _room_for_draft(self, req: Request, n: int, d: int) -> bool:
+        """Make the draft's positions writable from free blocks only: drafts never evict
+        an idle context's KV or preempt a request (a guess is not worth it)."""
+        ctx, bs = req.ctx, self.pool.block_size
+        start = ctx.num_computed + n  # the draft's first position; [.., start) is reserved
+        first, last = start // bs, (start + d - 1) // bs
+        shared = sum(
+            1
+            for j in range(first, min(last + 1, len(ctx.blocks)))
+            if self.pool.ref[ctx.blocks[j]] > 1
+        )
+        if self.pool.num_free < shared + max(0, last + 1 - len(ctx.blocks)):
+            return False
+        return self._reserve(req, start, d, set())
 
     def _admit(self) -> None:
         # by priority, then arrival (preempted requests keep their place): a latency call

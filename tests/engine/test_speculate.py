@@ -343,3 +343,43 @@ def test_smollm2_summary_with_drafts_equals_transformers(smollm2_dir):
     eos = set(engine.eos_ids)
     assert got == [t for t in ref if t not in eos][: len(got)] and len(got) >= 1
     assert len(got) == len([t for t in ref if t not in eos])
+
+
+@pytest.mark.parametrize("speculate", [0, 4])
+def test_drafts_never_evict_or_preempt(tiny_model_dir, always_drafts, speculate):
+    """With no free block, a draft that would cross into a new block is dropped: an idle
+    context's KV is released when the generation's own next token needs the block, at
+    the same length as without drafts, not when a draft first reaches it."""
+    engine = Engine.from_pretrained(
+        tiny_model_dir,
+        num_blocks=3,
+        progress=False,
+        prefix_cache=False,
+        speculate=speculate,
+        speculate_rows=8,
+    )
+    released_at = []
+    release = engine.scheduler.release
+
+    def spy(ctx):
+        released_at.append(len(engine.contexts["g"].tokens))
+        release(ctx)
+
+    engine.scheduler.release = spy
+    idle, prompt = _prompts(engine, 7)[5:7]  # 29 and 33 tokens: 2 blocks each ...
+
+    async def run():
+        async with engine:
+            await engine.fill("idle", None, idle[:32])  # ... the idle context holds 2
+            await engine.fill("g", None, prompt[:12])  # and the generation 1 of the 3
+            tokens = await collect(engine, "g", None, SamplingParams(max_tokens=8))
+            return tokens[0], engine.stats_now()
+
+    tokens, stats = asyncio.run(run())
+    assert len(tokens) == 8 and stats.preemptions == 0
+    # position 16, the first of the second block, is computed in the step when the context
+    # holds 17 tokens: that step evicts (with drafts as reserved as plain tokens, a
+    # step at 13 tokens, drafting positions 13-16, would have)
+    assert released_at == [17]
+    if speculate:
+        assert stats.draft_tokens > 0

@@ -54,6 +54,18 @@ def test_the_ceiling_is_request_level_over_parrots_bound_and_marks_unreachable_g
     assert "| shared_prompt, cache on: >= 3.0x | 2.71x | no | 3.10x |" in text
 
 
+def test_a_parrot_under_its_bound_gets_no_ceiling_and_no_out_of_reach(report):
+    # drafts took several tokens a step: 6 s against a one-token-per-step bound of 7 s
+    records = [
+        _record("multi_agent", "parrot", 6.0),
+        _record("multi_agent", "request-level", 8.4),
+    ]
+    rows = report.aggregate(records)
+    assert rows[0]["parrot_over_bound"] == pytest.approx(6 / 7)
+    text = report.goals(rows)
+    assert "| multi_agent, cache on: >= 2.0x | 1.40x | no | - (parrot under its bound) |" in text
+
+
 def test_mixed_tenants_take_medians_over_repetitions(report):
     def run(mode, idle, loaded, tput):
         return {

@@ -17,7 +17,11 @@ followed them there (prompt lookup, as vLLM's "ngram" speculator and transformer
 
 `Drafter` keeps an index of the context's n-grams (the latest position after each),
 extended as tokens are appended, so a proposal costs a dictionary lookup per n, not a
-scan of the context.
+scan of the context. It also keeps a running rate of the drafts kept (`record`): a
+generation that does not copy (a chat answer keeps ~1% of its drafts) stops drafting
+while the rate is under `MIN_RATE`, and tries again every `RETRY_AFTER` proposals, since
+its drafts' rows cost a step time (two rows with 4 drafts each: ~1.26x a plain step on a
+CPU) and bring nothing.
 """
 
 from __future__ import annotations
@@ -26,12 +30,17 @@ from collections.abc import Sequence
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
+# the running rate of drafts kept: weight of the latest check, the rate under which a
+# generation stops drafting, the proposals it then skips before it tries once more
+RATE_WEIGHT = 0.3
+MIN_RATE = 0.1
+RETRY_AFTER = 8
 
 
 class Drafter:
     """Proposes draft tokens for one generation from its context's own tokens."""
 
-    __slots__ = ("_index", "_indexed")
+    __slots__ = ("_index", "_indexed", "rate", "_skipped")
 
     def __init__(self) -> None:
         # n-gram -> the position just after its latest occurrence whose continuation is
@@ -39,6 +48,13 @@ class Drafter:
         # follows it)
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
+        self.rate = 0.5  # running fraction of drafts kept (`record`)
+        self._skipped = 0  # proposals not made since the rate fell under MIN_RATE
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A check of `drafted` tokens kept `kept` of them."""
+        if drafted > 0:
+            self.rate += RATE_WEIGHT * (kept / drafted - self.rate)
 
     def _extend(self, tokens: Sequence[int]) -> None:
         index = self._index
@@ -56,6 +72,11 @@ class Drafter:
         longest matching suffix (`MAX_NGRAM` tokens down to `MIN_NGRAM`); [] if none."""
         if k <= 0 or len(tokens) < 2:
             return []
+        if self.rate < MIN_RATE:  # its drafts have not been kept lately
+            self._skipped += 1
+            if self._skipped <= RETRY_AFTER:
+                return []
+            self._skipped = 0  # try once more
         if len(tokens) < self._indexed:  # the context was cut back: index it again
             self._index.clear()
             self._indexed = 0

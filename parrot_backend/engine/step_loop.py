@@ -331,6 +331,7 @@ class StepLoop:
         step, is good: the context counts it as computed once they are its tokens."""
         self.drafted += len(w.draft)
         self.draft_accepted += len(tokens) - 1
+        req.drafter.record(len(w.draft), len(tokens) - 1)
         if req.done:
             return  # cancelled while the step ran
         end = w.start + w.n

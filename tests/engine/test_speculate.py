@@ -46,6 +46,25 @@ def test_drafter_prefers_the_longest_match_and_stops_at_the_context_end():
     assert d2.propose([4, 5, 4], 2) == [5, 4]
 
 
+def test_a_drafter_whose_drafts_are_not_kept_pauses_and_retries():
+    from parrot_backend.engine import speculate
+
+    d = Drafter()
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert d.propose(tokens, 2) == [3, 1]
+    checks = 0
+    while d.rate >= speculate.MIN_RATE:  # checks that keep nothing
+        d.record(2, 0)
+        checks += 1
+    assert checks == 5  # 0.5 -> 0.35 -> 0.245 -> 0.17 -> 0.12 -> 0.08
+    # paused: RETRY_AFTER proposals come back empty, then one is made
+    skipped = [d.propose(tokens, 2) for _ in range(speculate.RETRY_AFTER)]
+    assert skipped == [[]] * speculate.RETRY_AFTER
+    assert d.propose(tokens, 2) == [3, 1]
+    d.record(2, 2)  # that one was kept: drafting goes on
+    assert d.rate >= speculate.MIN_RATE and d.propose(tokens, 2) == [3, 1]
+
+
 def test_accept_keeps_the_matching_drafts_and_the_next_prediction():
     assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, plus the bonus
     assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # second draft wrong: model's 9
@@ -71,7 +90,7 @@ def test_pick_speculate_defaults_and_checks():
 # drafts, and later tokens read the KV that kept drafts wrote.
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     known: list[list[int]] = []  # prompt + plain greedy tokens, one list per generation
 
     def propose(self, tokens, k):
@@ -145,7 +164,7 @@ def test_kept_drafts_give_plain_greedy_tokens_in_fewer_steps(tiny_model_dir, ora
         assert tokens == ref[0, len(prompt) :].tolist()
 
 
-class WrongDrafter:
+class WrongDrafter(Drafter):
     """Always proposes k tokens, (almost) never the right ones."""
 
     def propose(self, tokens, k):

@@ -18,9 +18,13 @@ import torch
 import parrot_backend.engine.engine as engine_mod
 from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.speculate import Drafter
 
 
-class Wrong:
+class Wrong(Drafter):
+    def record(self, drafted, kept):  # always drafts: the cost is what is measured
+        pass
+
     def propose(self, tokens, k):
         return [(tokens[-1] + 1 + i) % 49152 for i in range(k)]
 

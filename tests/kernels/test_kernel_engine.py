@@ -83,3 +83,48 @@ def test_triton_backend_generates_the_torch_backend_tokens_with_a_shared_prefix(
     grouped.runner.backend = GroupingTriton()
     assert _forked_generation(grouped, prefix, suffixes) == want
     assert grouped.runner.backend.grouped_rows > 0, "no step took the shared-prefix path"
+
+
+def test_triton_backend_checks_drafts_as_the_torch_backend_does(tiny_model_dir, monkeypatch):
+    """A greedy row with draft tokens (`engine/speculate.py`) is a small prefill chunk
+    over the context's blocks: the Triton backend keeps the same drafts and yields the
+    same tokens. An oracle proposes the plain tokens, every third check with one wrong."""
+    from parrot_backend.engine.speculate import Drafter
+
+    known: list[list[int]] = []
+
+    class Oracle(Drafter):
+        def propose(self, tokens, k):
+            for seq in known:
+                if seq[: len(tokens)] == list(tokens) and len(seq) > len(tokens):
+                    draft = seq[len(tokens) : len(tokens) + k]
+                    if len(tokens) % 3 == 0 and len(draft) > 1:
+                        draft[1] = (draft[1] + 1) % 49152
+                    return draft
+            return []
+
+    def run(backend: str, speculate: int):
+        engine = Engine.from_pretrained(
+            tiny_model_dir,
+            num_blocks=48,
+            progress=False,
+            attention_backend=backend,
+            speculate=speculate,
+        )
+
+        async def go():
+            async with engine:
+                await engine.fill("p", None, prompt)
+                return [d.token_id async for d in engine.generate("p", None, sampling)]
+
+        return asyncio.run(go()), engine.stats_now()
+
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 49152, (21,), generator=g).tolist()
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+    want, _ = run("torch", 0)
+    known.append(prompt + want)
+    monkeypatch.setattr("parrot_backend.engine.engine.Drafter", Oracle)
+    got, stats = run("triton", 4)
+    assert got == want
+    assert 0 < stats.draft_tokens_accepted < stats.draft_tokens

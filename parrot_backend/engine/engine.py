@@ -265,9 +265,8 @@ class Engine(StepLoop):
             priority=priority,
             eos_ids=frozenset() if sampling.ignore_eos else self.eos_ids,
         )
-        if self.scheduler.speculate and sampling.greedy and not sampling.penalized:
-            if sampling.constraint is None:
-                req.drafter = Drafter()  # its decode steps may check drafts (`speculate.py`)
+        if self.scheduler.speculate and sampling.constraint is None:
+            req.drafter = Drafter()  # its decode steps may check drafts (`speculate.py`)
         self._submit(req)
         try:
             while True:

@@ -203,7 +203,7 @@ class ModelRunner:
         out: list[StepResult] = [None] * batch.size
         last: list[torch.Tensor] = []  # final hidden states to sample from, in this order
         who: list[tuple[int, Sampler]] = []
-        checks: list[tuple[int, torch.Tensor, list[int]]] = []  # rows with drafts
+        checks: list[tuple[int, torch.Tensor, list[int], Sampler]] = []  # rows with drafts
         if batch.ids:
             ids, positions, meta = self._tensors(batch)
             hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
@@ -211,7 +211,8 @@ class ModelRunner:
                 end = batch.query_start[i + 1]
                 draft = batch.drafts[i]
                 if draft is not None:  # the last real token's state and each draft token's
-                    checks.append((j, hidden[end - len(draft) - 1 : end], draft))
+                    h = hidden[end - len(draft) - 1 : end]
+                    checks.append((j, h, draft, batch.samplers[i]))
                     continue
                 h = hidden[end - 1]
                 if batch.samplers[i] is not None:
@@ -222,13 +223,8 @@ class ModelRunner:
         for j, h, sampler in batch.kept:
             last.append(h)
             who.append((j, sampler))
-        if checks:  # greedy rows only (`Drafter`): their picks are the logits' argmax
-            logits = self.model.logits(torch.cat([h for _, h, _ in checks]))
-            picks = logits.argmax(dim=-1).tolist()
-            at = 0
-            for j, h, draft in checks:
-                out[j] = accept(draft, picks[at : at + len(h)])
-                at += len(h)
+        if checks:
+            self._check_drafts(checks, out)
         if last:
             logits = self.model.logits(torch.stack(last))
             for k, (j, sampler) in enumerate(who):
@@ -237,6 +233,27 @@ class ModelRunner:
                 except Exception as exc:  # this request's sampling, not the step
                     out[j] = exc
         return out
+
+    def _check_drafts(
+        self, checks: list[tuple[int, torch.Tensor, list[int], Sampler]], out: list[StepResult]
+    ) -> None:
+        """Each row with drafts: its tokens (`speculate.accept`), picked position by position
+        by its sampler; a plain greedy row's picks are the argmax, taken for all at once."""
+        logits = self.model.logits(torch.cat([h for _, h, _, _ in checks]))
+        argmax: list[int] | None = None
+        at = 0
+        for j, h, draft, sampler in checks:
+            rows = logits[at : at + len(h)]
+            if sampler.plain_greedy:
+                if argmax is None:
+                    argmax = logits.argmax(dim=-1).tolist()
+                out[j] = accept(draft, argmax[at : at + len(h)].__getitem__)
+            else:
+                try:
+                    out[j] = accept(draft, lambda i, rows=rows, s=sampler: s(rows[i]))
+                except Exception as exc:  # this request's sampling, not the step
+                    out[j] = exc
+            at += len(h)
 
     @torch.inference_mode()
     def logits_for(self, work: list[Work]) -> torch.Tensor:

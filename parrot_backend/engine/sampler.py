@@ -66,6 +66,11 @@ class Sampler:
             else:
                 self.generator.seed()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Its pick is the logits' argmax: greedy, no penalties, no constraint."""
+        return self.params.greedy and not self.params.penalized and self.grammar is None
+
     def __call__(self, logits: torch.Tensor) -> int:
         """Sample from a 1-D logits row (any float dtype)."""
         if self.grammar is not None:

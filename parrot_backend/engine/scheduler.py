@@ -63,8 +63,8 @@ class Work:
     # (position, slot): also write this chunk's KV of that position at that slot, in a
     # block of a fork that joined this step (the module doc)
     copies: list[tuple[int, int]] | None = None
-    # draft tokens computed after the context's last token (a greedy generation's guess
-    # of its next tokens, `speculate.py`): positions [start + n, start + n + len(draft))
+    # draft tokens computed after the context's last token (an unconstrained generation's
+    # guess of its next tokens, `speculate.py`): positions [start + n, start + n + len(draft))
     draft: list[int] | None = None
 
     @property
@@ -116,7 +116,7 @@ class Scheduler:
         self.linger = linger
         self._now = clock
         self._lingering: tuple[int, float] | None = None  # (priority, until)
-        # draft tokens per greedy decode row (prompt lookup, `speculate.py`), in steps with
+        # draft tokens per unconstrained decode row (prompt lookup, `speculate.py`), in steps with
         # at most `speculate_rows` decode rows (0: never)
         self.speculate = speculate
         self.speculate_rows = speculate_rows
@@ -322,7 +322,7 @@ class Scheduler:
         )
 
     def _draft(self, req: Request, room: int) -> list[int] | None:
-        """Draft tokens for a greedy decode row (`speculate.py`): at most `speculate`, no
+        """Draft tokens for an unconstrained decode row (`speculate.py`): at most `speculate`, no
         more than the step's room, the request's remaining tokens less one, and the
         model's length allow; None when the request may not draft or nothing matches."""
         drafter = req.drafter

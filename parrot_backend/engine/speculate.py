@@ -1,14 +1,25 @@
-"""Prompt-lookup drafts for greedy decoding: guess the next tokens from the context itself.
+"""Prompt-lookup drafts: guess a generation's next tokens from its context itself.
 
-A greedy generation that copies from its context (a summary repeating its document's
-phrases, an engineer's code naming the design's functions) can take several tokens in
-one step: the engine appends a few *draft* tokens after the last sampled one, computes
-them all in one forward pass (a step of d + 1 tokens costs little more than a step of
-one on a CPU or a GPU at a small batch: the weights are read once), and keeps each draft
-token that equals the model's own greedy choice at its position, plus the model's next
-token after the last kept one. What is kept is what plain greedy decoding would have
-produced (up to the floating-point differences that batching already brings); a wrong
-draft costs only the extra rows of that step.
+A generation that copies from its context (a summary repeating its document's phrases,
+an engineer's code naming the design's functions) can take several tokens in one step:
+the engine appends a few *draft* tokens after the last sampled one, computes them all in
+one forward pass (a step of d + 1 tokens costs little more than a step of one on a CPU
+or a GPU at a small batch: the weights are read once), and then picks tokens position
+by position with the generation's own sampler (`accept`): the token picked after the
+context, then, while each pick equals the draft token at its place, the token picked
+after that draft token. A draft token equal to the pick is the token plain decoding
+would have appended, so the logits computed after it are the ones plain decoding would
+compute next; the first pick that differs ends the row.
+
+This is exact for greedy and for sampled generations alike, penalties included: the
+sampler is called once per token it yields, in order, so its random generator and its
+penalty counts advance exactly as in plain decoding, and a seeded generation yields the
+same tokens with or without drafts (up to the floating-point differences that batching
+already brings). For a drafter that proposes one fixed token this is speculative
+sampling's rule: the draft is kept with probability p(draft), and a rejected position
+yields a token drawn from p without the draft. A wrong draft costs only the extra rows
+of that step. Constrained generations do not draft (their grammar masks are computed
+before the step, for the next position only).
 
 The drafts come from the context: the most recent earlier place where the context's
 last `n` tokens (n = `MAX_NGRAM` down to `MIN_NGRAM`) also occur, and the tokens that
@@ -26,7 +37,7 @@ CPU) and bring nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 MAX_NGRAM = 3
 MIN_NGRAM = 1
@@ -89,13 +100,14 @@ class Drafter:
         return []
 
 
-def accept(draft: Sequence[int], predicted: Sequence[int]) -> list[int]:
-    """The tokens a verified step yields: `predicted[i]` is the greedy token after the
-    context plus `draft[:i]`; each draft token equal to its prediction is kept, and the
-    prediction after the last kept one ends the list (1 to len(draft) + 1 tokens)."""
-    out = [predicted[0]]
+def accept(draft: Sequence[int], pick: Callable[[int], int]) -> list[int]:
+    """The tokens a checked row yields. `pick(i)` is the generation's token at the row's
+    i-th position (after the context plus `draft[:i]`), called in order and only while
+    the drafts before it were kept: each draft token equal to its pick is kept, and the
+    pick after the last kept one ends the list (1 to len(draft) + 1 tokens)."""
+    out = [pick(0)]
     for i, token in enumerate(draft):
-        if token != predicted[i]:
+        if token != out[-1]:
             break
-        out.append(predicted[i + 1])
+        out.append(pick(i + 1))
     return out

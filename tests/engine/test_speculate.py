@@ -1,9 +1,11 @@
-"""Prompt-lookup drafts (`engine/speculate.py`): a greedy generation checks tokens guessed
-from its own context in one step, and keeps exactly what plain greedy decoding gives."""
+"""Prompt-lookup drafts (`engine/speculate.py`): an unconstrained generation checks tokens
+guessed from its own context in one step, and yields exactly what plain decoding gives:
+greedy, sampled with a seed, and penalized."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -66,10 +68,42 @@ def test_a_drafter_whose_drafts_are_not_kept_pauses_and_retries():
 
 
 def test_accept_keeps_the_matching_drafts_and_the_next_prediction():
-    assert accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, plus the bonus
-    assert accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # second draft wrong: model's 9
-    assert accept([5, 6, 7], [4, 6, 7, 8]) == [4]  # the first wrong: one token, as plain
-    assert accept([], [3]) == [3]
+    def picks(seq):
+        return seq.__getitem__
+
+    assert accept([5, 6, 7], picks([5, 6, 7, 8])) == [5, 6, 7, 8]  # all kept, plus the bonus
+    assert accept([5, 6, 7], picks([5, 9, 7, 8])) == [5, 9]  # second draft wrong: model's 9
+    assert accept([5, 6, 7], picks([4, 6, 7, 8])) == [4]  # the first wrong: one token
+    assert accept([], picks([3])) == [3]
+
+
+def test_accept_picks_in_order_and_only_while_drafts_are_kept():
+    """A sampler is called once per token the row yields, in order: its random generator
+    advances as in plain decoding."""
+    asked = []
+
+    def pick(i):
+        asked.append(i)
+        return [5, 9, 7, 8][i]
+
+    assert accept([5, 6, 7], pick) == [5, 9]
+    assert asked == [0, 1]  # position 2 follows a rejected draft: never sampled
+
+
+def test_sampled_accept_keeps_a_draft_with_the_models_probability():
+    """With a sampler, a draft token is kept as often as the model picks it, and a
+    rejected position yields the model's distribution without the draft (speculative
+    sampling with a one-token draft): the first token's distribution is p either way."""
+    from parrot_backend.engine.sampler import Sampler
+
+    p = torch.tensor([0.5, 0.3, 0.2])
+    logits = p.log().repeat(2, 1)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3, max_tokens=2))
+    n = 4000
+    firsts = [accept([1], lambda i: sampler(logits[i]))[0] for _ in range(n)]
+    freq = torch.bincount(torch.tensor(firsts), minlength=3).float() / n
+    # binomial standard deviations at n = 4000 are <= 0.008; 5 of them
+    assert torch.allclose(freq, p, atol=0.04), freq
 
 
 def test_pick_speculate_defaults_and_checks():
@@ -255,26 +289,69 @@ def test_forks_draft_without_touching_their_parents_blocks(tiny_model_dir, oracl
     assert drafting.stats_now().draft_tokens_accepted > 0
 
 
-def test_only_plain_greedy_rows_draft(tiny_model_dir, always_drafts):
-    """Sampled, penalized and constrained generations never draft; greedy ones do."""
+def test_constrained_rows_never_draft(tiny_model_dir, always_drafts):
+    """A constrained generation's grammar mask is for the next position only: it never
+    drafts; an unconstrained one does."""
     _, drafting = _engines(tiny_model_dir)
     prompt = _prompts(drafting, 1)[0]
 
     async def run():
         async with drafting:
-            for i, sampling in enumerate(
-                (
-                    SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True),
-                    SamplingParams(max_tokens=16, frequency_penalty=0.5, ignore_eos=True),
-                    SamplingParams(max_tokens=16, constraint=Constraint("regex", "[a-z ]{1,40}")),
-                )
-            ):
-                await complete(drafting, f"x{i}", prompt, sampling)
+            sampling = SamplingParams(max_tokens=16, constraint=Constraint("regex", "[a-z ]{1,40}"))
+            await complete(drafting, "c", prompt, sampling)
             assert drafting.stats_now().draft_tokens == 0
             await complete(drafting, "g", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
             assert drafting.stats_now().draft_tokens > 0
 
     asyncio.run(run())
+
+
+SAMPLED = {
+    "sampled": SamplingParams(max_tokens=32, temperature=0.8, seed=11, ignore_eos=True),
+    "top_p_top_k": SamplingParams(
+        max_tokens=32, temperature=1.3, top_p=0.9, top_k=50, seed=5, ignore_eos=True
+    ),
+    "penalized_greedy": SamplingParams(
+        max_tokens=32, frequency_penalty=0.7, presence_penalty=0.4, ignore_eos=True
+    ),
+    "penalized_sampled": SamplingParams(
+        max_tokens=32, temperature=0.7, frequency_penalty=1.5, seed=2, ignore_eos=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_sampled_and_penalized_rows_keep_drafts_and_yield_the_plain_tokens(
+    tiny_model_dir, oracle, name
+):
+    """A seeded sampled (or penalized) generation with drafts yields the tokens it yields
+    without them: its sampler is called once per token, in order, so its generator and
+    penalty counts advance as in plain decoding. Kept drafts save steps."""
+    sampling = SAMPLED[name]
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 2)
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    oracle.known = [p + w for p, w in zip(prompts, want, strict=True)]
+    got = asyncio.run(_each(drafting, prompts, sampling, "d"))
+    assert got == want
+    s = drafting.stats_now()
+    assert 0 < s.draft_tokens_accepted < s.draft_tokens
+    assert s.steps < plain.stats_now().steps
+    assert s.tokens_computed == plain.stats_now().tokens_computed
+    # and the seed did matter: another seed (or no penalty) gives other tokens
+    if sampling.seed is not None:
+        other = dataclasses.replace(sampling, seed=sampling.seed + 1)
+        assert asyncio.run(_each(plain, prompts, other, "o")) != want
+
+
+@pytest.mark.parametrize("name", ["sampled", "penalized_sampled"])
+def test_wrong_drafts_leave_sampled_tokens_unchanged(tiny_model_dir, always_drafts, name):
+    sampling = SAMPLED[name]
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 2)
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    assert asyncio.run(_each(drafting, prompts, sampling, "d")) == want
+    assert drafting.stats_now().draft_tokens > 0
 
 
 def test_no_drafts_in_steps_with_more_decode_rows_than_allowed(tiny_model_dir, always_drafts):
@@ -362,6 +439,27 @@ def test_smollm2_summary_with_drafts_equals_transformers(smollm2_dir):
     eos = set(engine.eos_ids)
     assert got == [t for t in ref if t not in eos][: len(got)] and len(got) >= 1
     assert len(got) == len([t for t in ref if t not in eos])
+
+
+@pytest.mark.slow
+def test_smollm2_sampled_summary_with_drafts_equals_plain_sampling(smollm2_dir):
+    """The real model and the real drafter, sampling with a seed at temperature 0.7: drafts
+    are kept, and the text is the text of the same seed without drafts."""
+    text = (
+        "You keep a running summary of a long document.\nNext part:\n"
+        "The river town of Alder keeps a lantern fair each autumn. The lantern fair "
+        "brings boats from the coast, and the boats carry oil, rope and glass. "
+        "The glass makers of Alder sell lanterns to the boats.\nUpdated summary:"
+    )
+    sampling = SamplingParams(max_tokens=40, temperature=0.7, seed=4)
+    plain = Engine.from_pretrained(smollm2_dir, num_blocks=128, progress=False, speculate=0)
+    drafting = Engine.from_pretrained(smollm2_dir, num_blocks=128, progress=False)
+    prompt = plain.tokenize(text)
+    want = asyncio.run(_each(plain, [prompt], sampling, "p"))[0]
+    got = asyncio.run(_each(drafting, [prompt], sampling, "d"))[0]
+    assert got == want and len(got) >= 8
+    s = drafting.stats_now()
+    assert s.draft_tokens_accepted > 0 and s.steps < plain.stats_now().steps
 
 
 @pytest.mark.parametrize("speculate", [0, 4])

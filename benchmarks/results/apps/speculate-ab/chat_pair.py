@@ -1,8 +1,10 @@
-"""Two users' greedy chat answers decoding together (text that rarely copies its prompt)
-and one chain-summary step alone (text that does), engine alone, drafts off / on
-alternating: wall time per round, tokens equal.
+"""Two users' chat answers decoding together (text that rarely copies its prompt) and one
+chain-summary step alone (text that does), engine alone, drafts off / on alternating:
+wall time per round, tokens equal. Greedy by default; `--temperature T` samples, seeded
+per round (the same seed in both settings).
 
     .venv/bin/python benchmarks/results/apps/speculate-ab/chat_pair.py [--rounds 4]
+        [--temperature 0.7]
 """
 
 from __future__ import annotations
@@ -22,15 +24,10 @@ from parrot_backend.contract.sampling import SamplingParams  # noqa: E402
 from parrot_backend.engine.engine import Engine  # noqa: E402
 
 
-async def answer(engine, prompts, gen, tag):
+async def answer(engine, prompts, sampling, tag):
     async def one(i, p):
         await engine.fill(f"{tag}{i}", None, engine.tokenize(p))
-        out = [
-            d.token_id
-            async for d in engine.generate(
-                f"{tag}{i}", None, SamplingParams(max_tokens=gen, ignore_eos=True)
-            )
-        ]
+        out = [d.token_id async for d in engine.generate(f"{tag}{i}", None, sampling)]
         await engine.free(f"{tag}{i}")
         return out
 
@@ -51,14 +48,17 @@ async def main(args):
         values = {**chain.inputs, "s0": "(nothing yet)"}
         cases.setdefault("1 summary step", []).append([chain.calls[0].render(values)])
     for e in engines.values():
-        await answer(e, ["warm up"], 4, "w")
+        await answer(e, ["warm up"], SamplingParams(max_tokens=4), "w")
     for name, rounds in cases.items():
         times = {0: [], 4: []}
         for r, prompts in enumerate(rounds):
             order = (0, 4) if r % 2 == 0 else (4, 0)
             got = {}
+            sampling = SamplingParams(
+                max_tokens=args.gen, ignore_eos=True, temperature=args.temperature, seed=r
+            )
             for k in order:
-                dt, got[k] = await answer(engines[k], prompts, args.gen, f"{name}{r}{k}")
+                dt, got[k] = await answer(engines[k], prompts, sampling, f"{name}{r}{k}")
                 times[k].append(dt)
             assert got[0] == got[4], "drafts changed the tokens"
         off, on = statistics.median(times[0]), statistics.median(times[4])
@@ -77,4 +77,5 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.0)
     asyncio.run(main(ap.parse_args()))

@@ -40,7 +40,7 @@ class EngineConfig:
     # seconds after a request ends during which less urgent work keeps to that eighth per
     # step (the next call of a latency chain is likely on its way); 0: off
     urgent_linger: float = 0.25
-    # draft tokens an unconstrained decode row checks per step (prompt lookup, `speculate.py`),
+    # draft tokens a decode row checks per step (prompt lookup, `speculate.py`),
     # in steps of at most `speculate_rows` decode rows; None: by device
     # (`pick_speculate`); 0: off
     speculate: int | None = None
@@ -116,7 +116,7 @@ def pick_linger(seconds: float) -> float:
 
 
 def pick_speculate(config: EngineConfig, device: torch.device) -> tuple[int, int]:
-    """(speculate, speculate_rows): draft tokens per unconstrained decode row, and the most
+    """(speculate, speculate_rows): draft tokens per decode row, and the most
     decode rows a step may have for its rows to draft (`engine/speculate.py`). On a CPU
     a step's time grows slowly with its first few rows (the weights are read once per
     step), so a lone generation that copies from its context gains; past a few

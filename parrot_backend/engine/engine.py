@@ -265,7 +265,7 @@ class Engine(StepLoop):
             priority=priority,
             eos_ids=frozenset() if sampling.ignore_eos else self.eos_ids,
         )
-        if self.scheduler.speculate and sampling.constraint is None:
+        if self.scheduler.speculate:
             req.drafter = Drafter()  # its decode steps may check drafts (`speculate.py`)
         self._submit(req)
         try:

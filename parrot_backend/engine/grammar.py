@@ -172,6 +172,30 @@ class GrammarState:
         if self.matcher.is_error():
             raise GrammarError(f"constrained decoding failed: {self.matcher.get_error()}")
 
+    def fill_masks_ahead(self, draft: list[int], pointer: int, nbytes: int) -> None:
+        """The next-token bitmask at `pointer`, then one after each token of `draft` at
+        `pointer + (i + 1) * nbytes`: the masks of a row with draft tokens. The state is
+        rolled back to where it was; `draft` must fit the grammar (`valid_prefix`)."""
+        consumed = 0
+        try:
+            for i, token in enumerate(draft):
+                self.fill_mask(pointer + i * nbytes, nbytes)
+                self.consume(token)
+                consumed += 1
+            self.fill_mask(pointer + len(draft) * nbytes, nbytes)
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar allows from here."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
+    def forced(self, k: int) -> list[int]:
+        """Up to `k` tokens the grammar forces from here (a JSON key, its quotes and colon):
+        the only tokens it allows, whatever the model would pick."""
+        return self.matcher.compute_ff_tokens()[:k] if k > 0 else []
+
     def consume(self, token_id: int) -> None:
         """Advance past a sampled token; GrammarError if the grammar does not allow it."""
         if not self.matcher.consume_token(token_id):

@@ -253,6 +253,7 @@ class ModelRunner:
                     out[j] = accept(draft, lambda i, rows=rows, s=sampler: s(rows[i]))
                 except Exception as exc:  # this request's sampling, not the step
                     out[j] = exc
+                sampler.banned = None  # the masks of positions after a rejected draft
             at += len(h)
 
     @torch.inference_mode()

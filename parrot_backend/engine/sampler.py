@@ -8,8 +8,9 @@ likely token (a tiny top-p such as 1e-300 rounds to 0 in float32).
 
 A constrained request (`SamplingParams.constraint`) also has a grammar state; before each
 step the engine writes every constrained row's mask of disallowed tokens in one batch
-(`grammar_masks`), and the sampler sets those logits to -inf before it samples as usual.
-An unconstrained sampler never looks at a mask.
+(`grammar_masks`), one per position the row samples at (a row with draft tokens samples
+after each kept draft: `speculate.py`), and the sampler sets those logits to -inf before
+it samples as usual. An unconstrained sampler never looks at a mask.
 
 Penalties (`presence_penalty`, `frequency_penalty`, OpenAI's definition) count the tokens
 this sampler has picked, in a vocabulary-sized row made at the first penalized step; they
@@ -32,22 +33,36 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def grammar_masks(
-    states: Sequence[GrammarState], vocab_size: int
-) -> list[torch.Tensor | GrammarError]:
-    """Each state's disallowed tokens as a bool row of `vocab_size` (True: banned), computed
-    into one bitmask for the batch; a state whose matcher fails gets its error instead."""
+    states: Sequence[GrammarState],
+    vocab_size: int,
+    drafts: Sequence[Sequence[int] | None] | None = None,
+) -> list[list[torch.Tensor] | GrammarError]:
+    """Each state's disallowed tokens as bool rows of `vocab_size` (True: banned), computed
+    into one bitmask for the batch: one row for its next position, and with `drafts[i]`
+    one more after each of those draft tokens (the state itself is left as it was); a
+    state whose matcher fails gets its error instead."""
     words = (vocab_size + 31) // 32
-    bits = torch.zeros((len(states), words), dtype=torch.int32)
+    ahead = [len(d or ()) for d in drafts] if drafts is not None else [0] * len(states)
+    starts = [0]
+    for n in ahead:
+        starts.append(starts[-1] + 1 + n)
+    bits = torch.zeros((starts[-1], words), dtype=torch.int32)
     errors: dict[int, GrammarError] = {}
     for i, state in enumerate(states):
         try:
-            state.fill_mask(bits[i].data_ptr(), words * 4)
+            if ahead[i]:
+                state.fill_masks_ahead(drafts[i], bits[starts[i]].data_ptr(), words * 4)
+            else:
+                state.fill_mask(bits[starts[i]].data_ptr(), words * 4)
         except GrammarError as exc:
             errors[i] = exc
     # bit j of word w allows token 32 * w + j (an arithmetic shift keeps the sign bit's 1)
-    banned = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).eq(0).reshape(len(states), -1)
+    banned = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).eq(0).reshape(starts[-1], -1)
     banned = banned[:, :vocab_size]
-    return [errors.get(i, banned[i]) for i in range(len(states))]
+    return [
+        errors[i] if i in errors else list(banned[starts[i] : starts[i + 1]])
+        for i in range(len(states))
+    ]
 
 
 class Sampler:
@@ -56,7 +71,8 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.grammar: GrammarState | None = None  # bound by the engine when the request starts
-        self.banned: torch.Tensor | GrammarError | None = None  # this step's mask
+        # this step's masks, one per position it samples at, in order (`grammar_masks`)
+        self.banned: list[torch.Tensor] | GrammarError | None = None
         self.generator: torch.Generator | None = None
         self.counts: torch.Tensor | None = None  # tokens picked so far, with penalties only
         if not params.greedy:
@@ -116,12 +132,11 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
 
     def _constrain(self, logits: torch.Tensor) -> torch.Tensor:
-        banned = self.banned
-        self.banned = None  # a mask is good for one step only
-        if isinstance(banned, GrammarError):
-            raise banned
-        if banned is None:
+        if isinstance(self.banned, GrammarError):
+            raise self.banned
+        if not self.banned:
             raise GrammarError("constrained row sampled without its mask")
+        banned = self.banned.pop(0)  # a mask is good for one position only
         if bool(banned.all()):
             raise GrammarError("the constraint allows no next token")
         return logits.masked_fill(banned, float("-inf"))

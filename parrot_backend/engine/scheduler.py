@@ -63,8 +63,8 @@ class Work:
     # (position, slot): also write this chunk's KV of that position at that slot, in a
     # block of a fork that joined this step (the module doc)
     copies: list[tuple[int, int]] | None = None
-    # draft tokens computed after the context's last token (an unconstrained generation's
-    # guess of its next tokens, `speculate.py`): positions [start + n, start + n + len(draft))
+    # draft tokens computed after the context's last token (a generation's guess of its
+    # next tokens, `speculate.py`): positions [start + n, start + n + len(draft))
     draft: list[int] | None = None
 
     @property
@@ -116,7 +116,7 @@ class Scheduler:
         self.linger = linger
         self._now = clock
         self._lingering: tuple[int, float] | None = None  # (priority, until)
-        # draft tokens per unconstrained decode row (prompt lookup, `speculate.py`), in steps with
+        # draft tokens per decode row (prompt lookup, `speculate.py`), in steps with
         # at most `speculate_rows` decode rows (0: never)
         self.speculate = speculate
         self.speculate_rows = speculate_rows
@@ -322,9 +322,11 @@ class Scheduler:
         )
 
     def _draft(self, req: Request, room: int) -> list[int] | None:
-        """Draft tokens for an unconstrained decode row (`speculate.py`): at most `speculate`, no
-        more than the step's room, the request's remaining tokens less one, and the
-        model's length allow; None when the request may not draft or nothing matches."""
+        """Draft tokens for a decode row (`speculate.py`): at most `speculate`, no more than
+        the step's room, the request's remaining tokens less one, and the model's length
+        allow; None when the request may not draft or nothing matches. A constrained row
+        drafts the tokens its grammar forces, else a prompt-lookup guess cut where the
+        grammar stops allowing it."""
         drafter = req.drafter
         if drafter is None:
             return None
@@ -332,8 +334,13 @@ class Scheduler:
         ctx = req.ctx
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - len(ctx.tokens) - 1)
-        draft = drafter.propose(ctx.tokens, k)
-        return draft or None
+        if req.sampling.constraint is None:
+            return drafter.propose(ctx.tokens, k) or None
+        grammar = req.sampler.grammar if req.sampler is not None else None
+        if grammar is None or k <= 0:
+            return None  # its grammar is bound in its first step
+        draft = grammar.forced(k) or drafter.propose(ctx.tokens, k)
+        return draft[: grammar.valid_prefix(draft)] or None
 
     def _room_for_draft(self, req: Request, n: int, d: int) -> bool:
         """Make the draft's positions writable from free blocks only: drafts never evict

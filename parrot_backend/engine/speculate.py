@@ -1,4 +1,4 @@
-"""Prompt-lookup drafts: guess a generation's next tokens from its context itself.
+"""Drafts: guess a generation's next tokens from its context (or its grammar).
 
 A generation that copies from its context (a summary repeating its document's phrases,
 an engineer's code naming the design's functions) can take several tokens in one step:
@@ -11,15 +11,19 @@ after that draft token. A draft token equal to the pick is the token plain decod
 would have appended, so the logits computed after it are the ones plain decoding would
 compute next; the first pick that differs ends the row.
 
-This is exact for greedy and for sampled generations alike, penalties included: the
-sampler is called once per token it yields, in order, so its random generator and its
-penalty counts advance exactly as in plain decoding, and a seeded generation yields the
-same tokens with or without drafts (up to the floating-point differences that batching
-already brings). For a drafter that proposes one fixed token this is speculative
-sampling's rule: the draft is kept with probability p(draft), and a rejected position
-yields a token drawn from p without the draft. A wrong draft costs only the extra rows
-of that step. Constrained generations do not draft (their grammar masks are computed
-before the step, for the next position only).
+This is exact for greedy and for sampled generations alike, penalties and constraints
+included: the sampler is called once per token it yields, in order, so its random
+generator and its penalty counts advance exactly as in plain decoding, and a seeded
+generation yields the same tokens with or without drafts (up to the floating-point
+differences that batching already brings). A constrained row samples each position
+under its grammar's mask after the drafts before it (`sampler.grammar_masks`). For a
+drafter that proposes one fixed token this is speculative sampling's rule: the draft is
+kept with probability p(draft), and a rejected position yields a token drawn from p
+without the draft. A wrong draft costs only the extra rows of that step.
+
+A constrained row drafts the tokens its grammar forces (a JSON schema's keys, quotes and
+colons: `GrammarState.forced`) when there are any, else the prompt-lookup guess below,
+cut where the grammar stops allowing it (`scheduler._draft`).
 
 The drafts come from the context: the most recent earlier place where the context's
 last `n` tokens (n = `MAX_NGRAM` down to `MIN_NGRAM`) also occur, and the tokens that

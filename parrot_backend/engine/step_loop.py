@@ -253,8 +253,13 @@ class StepLoop:
         """One step on the compute thread, with the thread count the tuner picks."""
         samplers = [s for s in batch.samplers if s is not None] + [s for _, _, s in batch.kept]
         constrained = [s for s in samplers if s.grammar is not None]
-        if constrained:  # one bitmask for every constrained row of the step
-            masks = grammar_masks([s.grammar for s in constrained], self.vocab_size)
+        if constrained:  # one bitmask for every constrained row of the step (and its drafts)
+            drafts = {id(s): d for s, d in zip(batch.samplers, batch.drafts, strict=True) if s}
+            masks = grammar_masks(
+                [s.grammar for s in constrained],
+                self.vocab_size,
+                [drafts.get(id(s)) for s in constrained],
+            )
             for sampler, mask in zip(constrained, masks, strict=True):
                 sampler.banned = mask
         threads = self.threads.before_step(len(batch.ids))

@@ -341,7 +341,7 @@ def test_constrained_sampler_with_an_all_allowing_mask_equals_the_plain_sampler(
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         logits = torch.randn(4096, generator=g) * 4
-        masked.banned = torch.zeros(4096, dtype=torch.bool)
+        masked.banned = [torch.zeros(4096, dtype=torch.bool)]
         assert masked(logits) == plain(logits)
 
 
@@ -356,10 +356,62 @@ def test_batched_masks_equal_each_matchers_own_mask(tiny_model_dir):
         states, tokenizer.encode('{"', add_special_tokens=False) * 8, strict=False
     ):
         state.consume(token)  # different states: some advanced, the choice at its start
-    for state, banned in zip(states, grammar_masks(states, 49152), strict=True):
+    for state, masks in zip(states, grammar_masks(states, 49152), strict=True):
+        (banned,) = masks
         allowed = torch.tensor(list(state.matcher.compute_logit_bias()), dtype=torch.int32) > 0
         assert torch.equal(~banned, allowed[:49152])
         assert 0 < int(allowed.sum()) < 49152
+
+
+def _allowed(state):
+    return torch.tensor(list(state.matcher.compute_logit_bias()), dtype=torch.int32)[:49152] > 0
+
+
+def test_masks_ahead_of_draft_tokens_are_the_masks_after_consuming_them(tiny_model_dir):
+    """A constrained row with draft tokens samples after each kept draft: its masks are
+    the grammar's masks after each draft token, and its state is left where it was."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    compiler = GrammarCompiler(tokenizer, 49152, frozenset({2}))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    text = '{"name": "Ada Lovelace"}'
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    a = compiler.start(Constraint("json_schema", json.dumps(schema)), 0)
+    b = compiler.start(Constraint("regex", "[a-z]+"), 0)
+    assert a.valid_prefix(tokens) == len(tokens)
+    assert b.valid_prefix(tokens) == 0 and b.valid_prefix([]) == 0
+    draft = tokens[:4]
+    before = _allowed(a)
+    masks = grammar_masks([a, b], 49152, [draft, None])
+    assert len(masks[0]) == 5 and len(masks[1]) == 1
+    assert torch.equal(_allowed(a), before)  # rolled back
+    by_hand = a.fork()
+    for i in range(5):
+        assert torch.equal(~masks[0][i], _allowed(by_hand)), i
+        if i < 4:
+            by_hand.consume(draft[i])
+    assert torch.equal(~masks[1][0], _allowed(b))
+
+
+def test_forced_tokens_are_what_the_grammar_allows_alone(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    compiler = GrammarCompiler(tokenizer, 49152, frozenset({2}))
+    schema = {
+        "type": "object",
+        "properties": {"answer_in_full": {"type": "string"}},
+        "required": ["answer_in_full"],
+    }
+    state = compiler.start(Constraint("json_schema", json.dumps(schema)), 0)
+    forced = state.forced(16)
+    assert tokenizer.decode(forced).startswith('{"answer')  # the only object it allows
+    assert state.forced(2) == forced[:2] and state.forced(0) == []
+    for token in forced:  # each is the only token its position allows
+        allowed = _allowed(state)
+        assert int(allowed.sum()) == 1 and bool(allowed[token])
+        state.consume(token)
 
 
 def test_compiled_grammars_are_cached_by_spec(tiny_model_dir):

@@ -138,7 +138,7 @@ def test_penalties_keep_the_grammar_mask():
     banned = torch.ones(8, dtype=torch.bool)
     banned[2] = False
     for _ in range(3):
-        s.banned = banned
+        s.banned = [banned]
         assert s(row.clone()) == 2
 
 

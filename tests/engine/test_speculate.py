@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -289,21 +290,76 @@ def test_forks_draft_without_touching_their_parents_blocks(tiny_model_dir, oracl
     assert drafting.stats_now().draft_tokens_accepted > 0
 
 
-def test_constrained_rows_never_draft(tiny_model_dir, always_drafts):
-    """A constrained generation's grammar mask is for the next position only: it never
-    drafts; an unconstrained one does."""
-    _, drafting = _engines(tiny_model_dir)
-    prompt = _prompts(drafting, 1)[0]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title_of_the_document": {"type": "string", "maxLength": 12},
+        "number_of_pages_in_total": {"type": "integer", "minimum": 1, "maximum": 999},
+    },
+    "required": ["title_of_the_document", "number_of_pages_in_total"],
+}
+CONSTRAINED = {
+    "json_greedy": SamplingParams(
+        max_tokens=48, constraint=Constraint("json_schema", json.dumps(SCHEMA))
+    ),
+    "json_sampled": SamplingParams(
+        max_tokens=48,
+        temperature=0.9,
+        seed=3,
+        constraint=Constraint("json_schema", json.dumps(SCHEMA)),
+    ),
+    "regex_sampled": SamplingParams(
+        max_tokens=24, temperature=0.8, seed=8, constraint=Constraint("regex", "[a-z ]{1,40}")
+    ),
+}
 
-    async def run():
-        async with drafting:
-            sampling = SamplingParams(max_tokens=16, constraint=Constraint("regex", "[a-z ]{1,40}"))
-            await complete(drafting, "c", prompt, sampling)
-            assert drafting.stats_now().draft_tokens == 0
-            await complete(drafting, "g", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-            assert drafting.stats_now().draft_tokens > 0
 
-    asyncio.run(run())
+@pytest.mark.parametrize("name", list(CONSTRAINED))
+def test_constrained_rows_draft_and_yield_the_plain_tokens(tiny_model_dir, oracle, name):
+    """A constrained row drafts (the tokens its grammar forces, else the oracle's guess cut
+    where the grammar stops allowing it), samples each position under that position's
+    mask, and yields the tokens and text plain constrained decoding gives."""
+    sampling = CONSTRAINED[name]
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 2)
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    oracle.known = [p + w for p, w in zip(prompts, want, strict=True)]
+    got = asyncio.run(_each(drafting, prompts, sampling, "d"))
+    assert got == want
+    s = drafting.stats_now()
+    assert 0 < s.draft_tokens_accepted <= s.draft_tokens
+    assert s.steps < plain.stats_now().steps
+    # a generation that ends where its grammar stops ends on a token it does not compute
+    # plainly; with drafts that token may have been a kept draft, whose KV the step did
+    # compute (it is then counted): at most one more token per generation
+    computed = plain.stats_now().tokens_computed
+    assert computed <= s.tokens_computed <= computed + len(prompts)
+    if name.startswith("json"):
+        text = plain.detokenize(want[0])
+        assert set(json.loads(text)) == set(SCHEMA["properties"])
+
+
+def test_a_json_schemas_forced_tokens_are_drafted_without_any_guess(tiny_model_dir):
+    """The real drafter on the tiny random model (which copies nothing): the schema's keys,
+    quotes and colons are forced, drafted and kept, so the object takes fewer steps."""
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 1)
+    sampling = CONSTRAINED["json_sampled"]
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    assert asyncio.run(_each(drafting, prompts, sampling, "d")) == want
+    s = drafting.stats_now()
+    assert s.draft_tokens_accepted >= 8  # the two keys alone are more tokens than that
+    assert s.steps < plain.stats_now().steps
+
+
+def test_wrong_drafts_are_cut_by_the_grammar_and_leave_constrained_tokens_unchanged(
+    tiny_model_dir, always_drafts
+):
+    plain, drafting = _engines(tiny_model_dir)
+    prompts = _prompts(plain, 2)
+    sampling = CONSTRAINED["regex_sampled"]
+    want = asyncio.run(_each(plain, prompts, sampling, "p"))
+    assert asyncio.run(_each(drafting, prompts, sampling, "d")) == want
 
 
 SAMPLED = {
@@ -458,6 +514,42 @@ def test_smollm2_sampled_summary_with_drafts_equals_plain_sampling(smollm2_dir):
     want = asyncio.run(_each(plain, [prompt], sampling, "p"))[0]
     got = asyncio.run(_each(drafting, [prompt], sampling, "d"))[0]
     assert got == want and len(got) >= 8
+    s = drafting.stats_now()
+    assert s.draft_tokens_accepted > 0 and s.steps < plain.stats_now().steps
+
+
+@pytest.mark.slow
+def test_smollm2_json_extraction_with_drafts_equals_plain(smollm2_dir):
+    """The real model fills a JSON schema from a text: forced keys and copied values are
+    drafted and kept, and the object is the one plain constrained decoding gives."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "town": {"type": "string", "maxLength": 20},
+            "fair": {"type": "string", "maxLength": 20},
+            "goods_carried_by_the_boats": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 12},
+                "maxItems": 4,
+            },
+        },
+        "required": ["town", "fair", "goods_carried_by_the_boats"],
+    }
+    text = (
+        "The river town of Alder keeps a lantern fair each autumn. The lantern fair "
+        "brings boats from the coast, and the boats carry oil, rope and glass.\n"
+        "The facts above as JSON:\n"
+    )
+    sampling = SamplingParams(
+        max_tokens=96, constraint=Constraint("json_schema", json.dumps(schema))
+    )
+    plain = Engine.from_pretrained(smollm2_dir, num_blocks=128, progress=False, speculate=0)
+    drafting = Engine.from_pretrained(smollm2_dir, num_blocks=128, progress=False)
+    prompt = plain.tokenize(text)
+    want = asyncio.run(_each(plain, [prompt], sampling, "p"))[0]
+    assert asyncio.run(_each(drafting, [prompt], sampling, "d"))[0] == want
+    value = json.loads(plain.detokenize(want))
+    assert set(value) == set(schema["properties"])
     s = drafting.stats_now()
     assert s.draft_tokens_accepted > 0 and s.steps < plain.stats_now().steps
 

@@ -37,9 +37,19 @@ class EngineConfig:
     # the step budget (0: never); None: by device (`pick_background`)
     background_tokens: int | None = None
     background_every: int | None = None
+    # the longest (seconds) less urgent work goes without that eighth while more urgent
+    # work runs (a stream of latency calls does not starve it); 0: no limit
+    background_wait: float = 1.0
+    # the share of the urgent work's tokens in a step that less urgent work may add to it
+    # (its decode rows count one token each); None: by device (`pick_share`)
+    background_share: float | None = None
     # seconds after a request ends during which less urgent work keeps to that eighth per
     # step (the next call of a latency chain is likely on its way); 0: off
     urgent_linger: float = 0.25
+    # of those, the first seconds in which less urgent work waits (no step is planned for
+    # it alone), so that the chain's next call, on its way, starts in an idle engine
+    # instead of after a background step; 0: off; None: by device (`pick_hold`)
+    urgent_hold: float | None = None
     # draft tokens a decode row checks per step (prompt lookup, `speculate.py`),
     # in steps of at most `speculate_rows` decode rows; None: by device
     # (`pick_speculate`); 0: off
@@ -89,11 +99,11 @@ def pick_background(config: EngineConfig, device: torch.device) -> tuple[int, in
     beside more urgent work (`engine/scheduler.py`). On a CPU extra rows are not free
     (SmolLM2-135M, fp32, 2 cores, oneDNN's linear: a decode step of 1 row ~36 ms,
     5 rows ~50 ms, 12 rows ~80 ms; with F.linear 65 / 125 / 160 ms), so nothing rides
-    along and the background gets an eighth of the step budget every 6th step (a
-    latency call's steps then average ~1.25x their idle time; riding along or a turn
-    every 3rd-4th step measured worse for the chain, `benchmarks/README.md`); on a GPU
-    extra rows are nearly free until a step holds hundreds of tokens: an eighth of the
-    step budget every step."""
+    along and the background gets a turn only when it has waited `background_wait`
+    (a latency chain under a throughput batch then takes ~1.1x its idle time, and the
+    batch's throughput is what it is under request-level serving; a turn every 6th step
+    made the chain ~1.6x, `benchmarks/README.md`); on a GPU extra rows are nearly free
+    until a step holds hundreds of tokens: an eighth of the step budget every step."""
     for name in ("background_tokens", "background_every"):
         value = getattr(config, name)
         if value is not None and value < 0:
@@ -104,15 +114,36 @@ def pick_background(config: EngineConfig, device: torch.device) -> tuple[int, in
         tokens = 0 if cpu else max(16, config.max_batched_tokens // 8)
     every = config.background_every
     if every is None:
-        every = 6 if cpu else 0
+        every = 0
     return tokens, every
 
 
-def pick_linger(seconds: float) -> float:
-    """`EngineConfig.urgent_linger`, checked: a finite number of seconds >= 0."""
+def pick_linger(seconds: float, name: str = "urgent_linger") -> float:
+    """`EngineConfig.urgent_linger` (or `urgent_hold`), checked: finite seconds >= 0."""
     if not (isinstance(seconds, int | float) and 0 <= seconds < float("inf")):
-        raise ValueError(f"urgent_linger must be a finite number of seconds >= 0, got {seconds!r}")
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
     return float(seconds)
+
+
+def pick_share(config: EngineConfig, device: torch.device) -> float:
+    """`EngineConfig.background_share`, checked (0 to 1); None: by device (CPU 0: a latency
+    call's prefill step with 15 throughput decode rows riding along took ~0.05 s more;
+    CUDA a quarter: rows are nearly free there)."""
+    share = config.background_share
+    if share is None:
+        return 0.0 if device.type == "cpu" else 0.25
+    if not (isinstance(share, int | float) and 0 <= share <= 1):
+        raise ValueError(f"background_share must be a number from 0 to 1, got {share!r}")
+    return float(share)
+
+
+def pick_hold(config: EngineConfig, device: torch.device) -> float:
+    """`EngineConfig.urgent_hold`, checked; None: by device (CPU 0.03 s: a chain's next
+    call reaches the engine ~10 ms after its previous one ends, and a background step
+    started meanwhile took ~0.1 s, which it waited for; CUDA 0: its steps take ms)."""
+    if config.urgent_hold is None:
+        return 0.03 if device.type == "cpu" else 0.0
+    return pick_linger(config.urgent_hold, "urgent_hold")
 
 
 def pick_speculate(config: EngineConfig, device: torch.device) -> tuple[int, int]:

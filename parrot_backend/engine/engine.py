@@ -26,7 +26,15 @@ from parrot_backend.contract.sampling import Constraint, SamplingParams
 
 from .attention import make_backend
 from .block_pool import BlockPool
-from .config import EngineConfig, pick_backend, pick_background, pick_linger, pick_speculate
+from .config import (
+    EngineConfig,
+    pick_backend,
+    pick_background,
+    pick_hold,
+    pick_linger,
+    pick_share,
+    pick_speculate,
+)
 from .context import Context, Request
 from .context_tree import ContextTree
 from .detokenizer import Detokenizer
@@ -110,7 +118,10 @@ class Engine(StepLoop):
             contexts=self.contexts,
             background_tokens=background[0],
             background_every=background[1],
+            background_share=pick_share(config, device),
+            background_wait=pick_linger(config.background_wait, "background_wait"),
             linger=pick_linger(config.urgent_linger),
+            hold=pick_hold(config, device),
             speculate=speculate[0],
             speculate_rows=speculate[1],
             max_model_len=self.max_model_len,

@@ -2,23 +2,26 @@
 
 Each step takes every running decode (one token each), then prefill chunks, under a
 token budget (chunked prefill). While a more urgent request (a lower `priority`) runs,
-decoding or prefilling, the less urgent ones share `background_tokens` per step plus a
-quarter of the urgent work's tokens in that step: their decode rows count one token each,
-their prefill its chunk; and every `background_every`-th such step (0: never) they get
+decoding or prefilling, the less urgent ones share `background_tokens` per step plus
+`background_share` of the urgent work's tokens in that step: their decode rows count one
+token each, their prefill its chunk; and every `background_every`-th such step (0: never),
+and whenever they have gone `background_wait` seconds without it (0: no limit), they get
 an eighth of the step budget. A step's time grows with its tokens, so without the cap a
 latency call's every token waits for a full batch of throughput decodes and a chunk of
 throughput prefill. On a GPU extra rows are nearly free up to hundreds of tokens: a share
 each step suits it. On a CPU extra rows cost more (SmolLM2-135M, 2 cores, oneDNN's
-linear: a decode step of 1 row ~36 ms, 5 rows ~50 ms, 12 rows ~80 ms), so there the
-share is 0 and the background gets an eighth of the
-budget every 6th step: a latency call's steps average ~1.25x their idle time and the
-throughput work still moves (defaults by device: `EngineConfig.background_tokens` /
-`background_every`).
+linear: a decode step of 1 row ~36 ms, 5 rows ~50 ms, 12 rows ~80 ms), so there nothing
+rides along and the background gets its eighth only after `background_wait` (1 s): a
+latency chain under a throughput batch takes ~1.1x its idle time (defaults by device:
+`EngineConfig`, `config.pick_background`, `pick_share`).
 When a request ends, for `linger` seconds after (`EngineConfig.urgent_linger`) work less
 urgent than it gets only that turn's eighth of the budget per step: between the calls of
 a latency chain (its value recorded, the next prompt rendered and submitted) the engine
 would otherwise plan a full step of throughput prefill (~0.6 s on a CPU), which the
-chain's next call waits for.
+chain's next call waits for. For the first `hold` seconds of the linger
+(`EngineConfig.urgent_hold`) it gets nothing: the plan is empty and `wake_at` tells the
+loop when to plan again if no request comes first, so the chain's next call, ~10 ms on
+its way, starts in an idle engine rather than after a background step.
 Waiting requests are admitted by priority, then arrival. A request asks the token-level
 prefix cache when it first gets room in a step (again after a preemption), so requests
 admitted together find the blocks that earlier ones computed while they waited; one whose
@@ -96,7 +99,10 @@ class Scheduler:
         contexts: dict[Hashable, Context],
         background_tokens: int | None = None,
         background_every: int = 0,
+        background_share: float = 0.25,
+        background_wait: float = 0.0,
         linger: float = 0.0,
+        hold: float = 0.0,
         speculate: int = 0,
         speculate_rows: int = 0,
         max_model_len: int | None = None,
@@ -114,8 +120,19 @@ class Scheduler:
         # seconds after a more urgent request ends during which steps stay as small as
         # the background's turn: the next call of its chain is likely on its way
         self.linger = linger
+        self.background_share = background_share
+        # the longest less urgent work waits for its turn beside more urgent work (0: no
+        # limit), and when it last had one (or had the engine to itself)
+        self.background_wait = background_wait
+        self._background_turn = clock()
+        # of the linger, the seconds in which less urgent work waits for the next call
+        self.hold = hold
         self._now = clock
         self._lingering: tuple[int, float] | None = None  # (priority, until)
+        self._held_until = 0.0
+        # when the last plan held less urgent work back: the time to plan again (the loop
+        # waits for a new request or this, whichever comes first); None: not held
+        self.wake_at: float | None = None
         # draft tokens per decode row (prompt lookup, `speculate.py`), in steps with
         # at most `speculate_rows` decode rows (0: never)
         self.speculate = speculate
@@ -144,6 +161,7 @@ class Scheduler:
             now, last = self._now(), self._lingering
             if last is None or last[1] <= now or req.priority <= last[0]:
                 self._lingering = (req.priority, now + self.linger)
+                self._held_until = now + min(self.hold, self.linger)
 
     @property
     def has_work(self) -> bool:
@@ -154,6 +172,7 @@ class Scheduler:
         finished: list[Request] = []
         failed: list[tuple[Request, Exception]] = []
         self.clock += 1
+        self.wake_at = None
         self._admit()
         budget = self.max_batched_tokens
         work: list[Work] = []
@@ -179,18 +198,30 @@ class Scheduler:
                 for r in order
                 if r.priority == urgent
             )
-            background = self.background_tokens + min(urgent_tokens, budget) // 4
+            background = self.background_tokens + int(
+                min(urgent_tokens, budget) * self.background_share
+            )
             self.urgent_steps += 1
-            if not urgent_tokens:
+            if not urgent_tokens and self._now() < self._held_until:
+                # lingering, in its hold: nothing is planned for less urgent work, and the
+                # loop waits for the chain's next call (or the hold's end)
+                background = 0
+                self.wake_at = self._held_until
+            elif not urgent_tokens:
                 # lingering, nothing more urgent is here yet: the background's turn, so a
                 # chain's next call waits for a small step at most, not a full one
                 background = max(background, self.max_batched_tokens // 8, 1)
-            elif self.background_every and self.urgent_steps % self.background_every == 0:
+            elif (self.background_every and self.urgent_steps % self.background_every == 0) or (
+                self.background_wait and self._now() - self._background_turn >= self.background_wait
+            ):
                 # the background's turn: all its decode rows, prefill in a small chunk (a
                 # full chunk on a CPU is a ~1 s step, measured: the latency call waits it)
                 background = max(background, self.max_batched_tokens // 8)
+            if background >= self.max_batched_tokens // 8:
+                self._background_turn = self._now()
         else:
             urgent = None
+            self._background_turn = self._now()
         drafting = self.speculate > 0 and self._decode_rows(order, urgent, background) <= (
             self.speculate_rows
         )

@@ -18,6 +18,7 @@ runner, pool, thread tuner, grammar compiler and counters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +168,12 @@ class StepLoop:
                     if finished or failed:
                         continue
                     self._wake.clear()
-                    await self._wake.wait()
+                    if self.scheduler.wake_at is None:
+                        await self._wake.wait()
+                    else:  # less urgent work is held back for a moment (`urgent_hold`)
+                        held = self.scheduler.wake_at - time.monotonic()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), max(held, 0.0))
                     # woken from idle by a request: let its caller's next ones in too (a
                     # fork submitted just after its parent's fill joins the fill's step)
                     await self._let_callers_run()

@@ -96,7 +96,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="tokens of less urgent (throughput) work a step carries beside more urgent "
-        "work, plus a quarter of the urgent tokens (default: 0 on CPU, an eighth of the "
+        "work, plus --background-share of the urgent tokens (default: 0 on CPU, an eighth of the "
         "step budget on CUDA; docs/engine.md, Batching)",
     )
     p.add_argument(
@@ -105,16 +105,42 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="every N-th step beside more urgent work, less urgent work gets an eighth of "
-        "the step budget; 0: never (default: 6 on CPU, 0 on CUDA)",
+        "the step budget; 0: only after --background-wait (default 0)",
+    )
+    p.add_argument(
+        "--background-wait",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="the longest less urgent work goes without its turn (an eighth of the step "
+        "budget) while more urgent work runs, so a stream of latency calls never starves "
+        "it (default 1.0; 0: no limit)",
+    )
+    p.add_argument(
+        "--background-share",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="less urgent work may add this share of the urgent work's tokens to a step "
+        "(its decode rows count one token each; default: 0 on CPU, 0.25 on CUDA)",
+    )
+    p.add_argument(
+        "--urgent-hold",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="after a request ends, less urgent work waits this long (within the linger) "
+        "before a step of its own, so the next call of a latency chain starts at once "
+        "(default: 0.03 on CPU, 0 on CUDA; 0: off)",
     )
     p.add_argument(
         "--speculate",
         type=_non_negative,
         default=None,
         metavar="N",
-        help="draft tokens a greedy generation checks per decode step, guessed from its "
-        "own context (prompt lookup; the output is what plain greedy decoding gives); "
-        "0: off (default: 4 on CPU, 0 on CUDA; docs/engine.md, Drafts)",
+        help="draft tokens a generation checks per decode step, guessed from its own "
+        "context (prompt lookup) or forced by its grammar; the output is what plain "
+        "decoding gives; 0: off (default: 4 on CPU, 0 on CUDA; docs/engine.md, Drafts)",
     )
     p.add_argument(
         "--speculate-rows",
@@ -132,6 +158,13 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _seconds(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
     return value
 
 
@@ -159,6 +192,9 @@ def load_engine(args: argparse.Namespace) -> Engine:
         background_every=args.background_every,
         linear=args.linear,
         urgent_linger=args.urgent_linger,
+        urgent_hold=args.urgent_hold,
+        background_share=args.background_share,
+        background_wait=args.background_wait,
         speculate=args.speculate,
         speculate_rows=args.speculate_rows,
     )

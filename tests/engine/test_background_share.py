@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parrot_backend.engine.block_pool import BlockPool
-from parrot_backend.engine.config import EngineConfig, pick_background
+from parrot_backend.engine.config import EngineConfig, pick_background, pick_hold, pick_share
 from parrot_backend.engine.context import Context, Request
 from parrot_backend.engine.scheduler import Scheduler
 
@@ -152,7 +152,13 @@ def test_every_nth_urgent_step_the_background_gets_an_eighth_of_the_budget():
 
 
 def test_the_defaults_are_picked_by_device():
-    assert pick_background(EngineConfig(), torch.device("cpu")) == (0, 6)
+    assert pick_background(EngineConfig(), torch.device("cpu")) == (0, 0)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (pick_share(EngineConfig(), cpu), pick_share(EngineConfig(), cuda)) == (0.0, 0.25)
+    assert (pick_hold(EngineConfig(), cpu), pick_hold(EngineConfig(), cuda)) == (0.03, 0.0)
+    assert pick_hold(EngineConfig(urgent_hold=0.1), cuda) == 0.1
+    with pytest.raises(ValueError, match="urgent_hold"):
+        pick_hold(EngineConfig(urgent_hold=-1), cpu)
     gpu = EngineConfig(max_batched_tokens=2048)
     assert pick_background(gpu, torch.device("cuda")) == (256, 0)
     mine = EngineConfig(background_tokens=9, background_every=2)

@@ -144,16 +144,17 @@ def test_throughput_decodes_make_every_sixth_step_beside_a_latency_decode_on_cpu
         return plans, tokens, bulk_tokens, (s.background_tokens, s.background_every)
 
     plans, tokens, bulk_tokens, background = asyncio.run(go(True))
-    assert background == (0, 6)  # the CPU defaults
+    assert background == (0, 0)  # the CPU defaults: turns only after `background_wait`
     assert len(tokens) == 20
     with_urgent = [p for p in plans if any(prio == 0 for prio, _ in p)]
-    # (the fill's step carries a quarter of its 10 tokens: 2 rows)
     decoding = [p for p in with_urgent if all(n <= 1 for _, n in p)]
     assert len(decoding) >= 18
     riding = [sum(1 for prio, _ in p if prio == 1) for p in decoding]
-    # steps with the latency call decode it alone, but for every 6th: the whole batch
+    # steps with the latency call decode it alone (on a CPU nothing rides along), but for
+    # a turn of the whole batch once it has waited `background_wait` (1 s: these 20 steps
+    # take far less, but a loaded machine may stretch them)
     assert set(riding) <= {0, 8}, riding
-    assert 0 < riding.count(8) <= len(with_urgent) // 6 + 1
+    assert riding.count(8) <= 2, riding
     _, _, quiet_bulk, _ = asyncio.run(go(False))
     assert bulk_tokens == quiet_bulk
 
@@ -163,11 +164,14 @@ def test_a_latency_calls_next_request_is_in_the_step_after_its_last_one(
 ):
     """A latency call awaits its prefix's fill, then fills its own fork, then generates: each
     next request makes the step right after the one that ended the last (the loop lets the
-    caller run before planning), so no step of throughput work alone comes between."""
+    caller run before planning), so no step of throughput work alone comes between. (The
+    hold after a request ends, `urgent_hold`, would hide a missing yield: it is off here.)"""
     from parrot_backend.engine import step_loop
 
     async def go():
-        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=256, progress=False)
+        engine = Engine.from_pretrained(
+            tiny_model_dir, num_blocks=256, progress=False, urgent_hold=0
+        )
         plans: list[set[int]] = []
         schedule = engine.scheduler.schedule
 

@@ -32,13 +32,31 @@ def test_background_flags_reach_the_scheduler(tiny_model_dir, command) -> None:
     s = _load(tiny_model_dir, command, "--background-tokens", "12", "--background-every", "0")
     assert (s.scheduler.background_tokens, s.scheduler.background_every) == (12, 0)
     s = _load(tiny_model_dir, command).scheduler  # the CPU defaults
-    assert (s.background_tokens, s.background_every) == (0, 6)
+    assert (s.background_tokens, s.background_every) == (0, 0)
+    assert (s.background_share, s.background_wait, s.hold) == (0.0, 1.0, 0.03)
+    s = _load(
+        tiny_model_dir,
+        command,
+        "--background-share",
+        "0.5",
+        "--background-wait",
+        "0",
+        "--urgent-hold",
+        "0.01",
+    ).scheduler
+    assert (s.background_share, s.background_wait, s.hold) == (0.5, 0.0, 0.01)
 
 
 def test_a_negative_background_flag_is_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--background-every", "-1"])
     assert "must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--background-share", "1.5"])
+    assert "must be from 0 to 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--urgent-hold", "-0.1"])
+    assert "must be a finite number >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])

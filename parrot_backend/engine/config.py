@@ -39,7 +39,7 @@ class EngineConfig:
     background_every: int | None = None
     # the longest (seconds) less urgent work goes without that eighth while more urgent
     # work runs (a stream of latency calls does not starve it); 0: no limit
-    background_wait: float = 1.0
+    background_wait: float = 2.0
     # the share of the urgent work's tokens in a step that less urgent work may add to it
     # (its decode rows count one token each); None: by device (`pick_share`)
     background_share: float | None = None

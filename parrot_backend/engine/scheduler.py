@@ -11,7 +11,7 @@ latency call's every token waits for a full batch of throughput decodes and a ch
 throughput prefill. On a GPU extra rows are nearly free up to hundreds of tokens: a share
 each step suits it. On a CPU extra rows cost more (SmolLM2-135M, 2 cores, oneDNN's
 linear: a decode step of 1 row ~36 ms, 5 rows ~50 ms, 12 rows ~80 ms), so there nothing
-rides along and the background gets its eighth only after `background_wait` (1 s): a
+rides along and the background gets its eighth only after `background_wait` (2 s): a
 latency chain under a throughput batch takes ~1.1x its idle time (defaults by device:
 `EngineConfig`, `config.pick_background`, `pick_share`).
 When a request ends, for `linger` seconds after (`EngineConfig.urgent_linger`) work less

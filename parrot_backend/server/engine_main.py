@@ -110,11 +110,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--background-wait",
         type=_seconds,
-        default=1.0,
+        default=2.0,
         metavar="SECONDS",
         help="the longest less urgent work goes without its turn (an eighth of the step "
         "budget) while more urgent work runs, so a stream of latency calls never starves "
-        "it (default 1.0; 0: no limit)",
+        "it (default 2.0; 0: no limit)",
     )
     p.add_argument(
         "--background-share",

@@ -33,7 +33,7 @@ def test_background_flags_reach_the_scheduler(tiny_model_dir, command) -> None:
     assert (s.scheduler.background_tokens, s.scheduler.background_every) == (12, 0)
     s = _load(tiny_model_dir, command).scheduler  # the CPU defaults
     assert (s.background_tokens, s.background_every) == (0, 0)
-    assert (s.background_share, s.background_wait, s.hold) == (0.0, 1.0, 0.03)
+    assert (s.background_share, s.background_wait, s.hold) == (0.0, 2.0, 0.03)
     s = _load(
         tiny_model_dir,
         command,

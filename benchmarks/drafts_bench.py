@@ -32,7 +32,11 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "topic": {"type": "string", "maxLength": 40},
-        "places_named": {"type": "array", "items": {"type": "string", "maxLength": 30}},
+        "places_named": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 30},
+            "maxItems": 4,
+        },
         "main_point": {"type": "string", "maxLength": 120},
     },
     "required": ["topic", "places_named", "main_point"],

@@ -21,6 +21,11 @@ from .serve_process import Serve
 N_CALLS = 6
 
 
+# the tiny random model's greedy text repeats itself, so drafts would finish its chain in a
+# fraction of the steps; these tests need a run that outlives their kills and fault steps
+NO_DRAFTS = ["--speculate", "0"]
+
+
 def chain_spec() -> dict:
     calls = [
         {
@@ -128,7 +133,7 @@ def crash_and_resume(serve: Serve, kills: int) -> None:
 
 
 def test_sigkill_mid_run_resumes_on_sqlite(tiny_model_dir, tmp_path) -> None:
-    serve = Serve(tiny_model_dir, tmp_path, None)
+    serve = Serve(tiny_model_dir, tmp_path, None, args=NO_DRAFTS)
     try:
         crash_and_resume(serve, kills=3)
     finally:
@@ -137,7 +142,7 @@ def test_sigkill_mid_run_resumes_on_sqlite(tiny_model_dir, tmp_path) -> None:
 
 @pytest.mark.postgres
 def test_sigkill_mid_run_resumes_on_postgresql(tiny_model_dir, tmp_path, pg_database) -> None:
-    serve = Serve(tiny_model_dir, tmp_path, pg_database)
+    serve = Serve(tiny_model_dir, tmp_path, pg_database, args=NO_DRAFTS)
     try:
         crash_and_resume(serve, kills=2)
     finally:
@@ -176,7 +181,9 @@ def test_an_engine_death_fails_no_run_and_the_next_start_resumes_it(
     tiny_model_dir, tmp_path
 ) -> None:
     # about 64 steps per call: the loop dies during the third call
-    serve = Serve(tiny_model_dir, tmp_path, None, env={"PARROT_FAULT_ENGINE_STEP": "150"})
+    serve = Serve(
+        tiny_model_dir, tmp_path, None, env={"PARROT_FAULT_ENGINE_STEP": "150"}, args=NO_DRAFTS
+    )
     try:
         engine_dies_and_resumes(serve)
     finally:
@@ -185,7 +192,13 @@ def test_an_engine_death_fails_no_run_and_the_next_start_resumes_it(
 
 @pytest.mark.postgres
 def test_an_engine_death_fails_no_run_on_postgresql(tiny_model_dir, tmp_path, pg_database) -> None:
-    serve = Serve(tiny_model_dir, tmp_path, pg_database, env={"PARROT_FAULT_ENGINE_STEP": "150"})
+    serve = Serve(
+        tiny_model_dir,
+        tmp_path,
+        pg_database,
+        env={"PARROT_FAULT_ENGINE_STEP": "150"},
+        args=NO_DRAFTS,
+    )
     try:
         engine_dies_and_resumes(serve)
     finally:

@@ -9,16 +9,27 @@ import httpx
 import pytest
 
 from .serve_process import Serve
-from .test_recovery_process import chain_spec, detail, read_events, ready
+from .test_recovery_process import NO_DRAFTS, detail, read_events, ready
+
+CALLS = 12  # the recovery chain twice over, with longer outputs: the run outlives the
+# checks below (~1.5 s before the kill; on a fast host 6 calls of 200 tokens took ~3 s)
 
 
 def long_chain() -> dict:
-    """The recovery chain with longer outputs, so the run outlives the checks below."""
-    spec = chain_spec()
-    for call in spec["program"]["calls"]:
-        for config in call["outputs"].values():
-            config["max_tokens"] = 200
-    return spec
+    """The recovery chain's calls, `CALLS` of them, 200 tokens each."""
+    calls = [
+        {
+            "name": f"c{i}",
+            "template": f"Step {i} of the story. {{{{input:x{i}}}}} then {{{{output:x{i + 1}}}}}",
+            "outputs": {f"x{i + 1}": {"max_tokens": 200, "temperature": 0.0}},
+        }
+        for i in range(CALLS)
+    ]
+    return {
+        "program": {"calls": calls},
+        "inputs": {"x0": "Once upon a time"},
+        "outputs": {f"x{CALLS}": "latency"},
+    }
 
 
 def _resumes(url: str, run_id: str) -> int:
@@ -35,8 +46,8 @@ def test_two_servers_share_one_postgresql(tiny_model_dir, tmp_path, pg_database)
 
 
 def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
-    a = Serve(tiny_model_dir, tmp_path, url)
-    b = Serve(tiny_model_dir, tmp_path, url)
+    a = Serve(tiny_model_dir, tmp_path, url, args=NO_DRAFTS)
+    b = Serve(tiny_model_dir, tmp_path, url, args=NO_DRAFTS)
     a.cmd[a.cmd.index("--worker-id") + 1] = "server-a"
     b.cmd[b.cmd.index("--worker-id") + 1] = "server-b"
     a.cmd += ["--run-lease", "3"]
@@ -53,7 +64,7 @@ def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
         a.kill()  # mid-run
         assert kept and detail(url_b, run_id)["run"]["status"] in ("pending", "running")
         r = httpx.get(
-            f"{url_b}/v1/runs/{run_id}/variables/x6", params={"timeout": 120}, timeout=130
+            f"{url_b}/v1/runs/{run_id}/variables/x{CALLS}", params={"timeout": 120}, timeout=130
         )
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30  # the run ends just after its last value
@@ -66,7 +77,9 @@ def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
             assert ready(final)[name] == (value, set_at)
         again = httpx.post(f"{url_b}/v1/runs/{run_id}/replay", json={}, timeout=30).json()
         r2 = httpx.get(
-            f"{url_b}/v1/runs/{again['run_id']}/variables/x6", params={"timeout": 120}, timeout=130
+            f"{url_b}/v1/runs/{again['run_id']}/variables/x{CALLS}",
+            params={"timeout": 120},
+            timeout=130,
         )
         assert r2.json()["value"] == r.json()["value"]  # equal to an uninterrupted run
     finally:

@@ -7,7 +7,8 @@ mixed-tenant workload (fresh texts each), with the engine's step log.
 For each mode (parrot: the batch `throughput`, the chain `latency`; request-level: every
 call a streamed completion) prints the batch's and the chain's JCT, each chain call's
 ready time, TTFT and latency, and every engine step from the chain's submission on:
-(start s, duration s, sequences, decode rows, prefill tokens, latency-priority rows).
+(start s, duration s, sequences, decode rows, prefill tokens, latency-priority rows; a
+step that paused for more urgent work is marked, and so is the rest of it, resumed).
 """
 
 from __future__ import annotations
@@ -96,9 +97,11 @@ async def probe(url: str, pairs: int, steps_shown: int, batch_alone: bool = Fals
                 "  steps from the chain's submission (t, dt, seqs, decode, prefill, latency rows):"
             )
             for s in shown:
+                mark = " resumed" if s.get("resumed") else ""
+                mark += " paused" if s.get("paused") else ""
                 print(
                     f"    {s['t'] - first:6.2f} {s['dt']:.3f} {s['seqs']:3d} {s['decode']:3d} "
-                    f"{s['prefill']:4d} {s['latency_rows']:3d}"
+                    f"{s['prefill']:4d} {s['latency_rows']:3d}{mark}"
                 )
 
 

@@ -63,11 +63,41 @@ def _record_steps(engine, log: deque) -> None:
                 "threads": _threads(engine),
                 # the count this step ran with (a probe's tried count included)
                 "step_threads": _step_threads(engine),
+                # it paused between layers for more urgent work (`engine/step_loop.py`):
+                # `dt` is its time up to the pause, a later "resumed" record the rest
+                "paused": type(out).__name__ == "Paused",
             }
         )
         return out
 
     engine._step = timed
+    resume = getattr(engine, "_resume", None)
+    if resume is None:
+        return
+
+    async def timed_resume(**kw):
+        began = time.perf_counter()
+        work = engine._paused.work
+        await resume(**kw)
+        tokens = sum(w.n for w in work)
+        log.append(
+            {
+                "t": began,
+                "dt": time.perf_counter() - began,
+                "seqs": len(work),
+                "tokens": tokens,
+                "decode": 0,
+                "prefill": tokens,
+                "drafts": 0,
+                "latency_rows": 0,
+                "threads": _threads(engine),
+                "step_threads": _step_threads(engine),
+                "paused": engine._paused is not None,  # paused again
+                "resumed": True,
+            }
+        )
+
+    engine._resume = timed_resume
 
 
 def _install(app, engine, native) -> None:

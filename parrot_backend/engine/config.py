@@ -50,6 +50,9 @@ class EngineConfig:
     # it alone), so that the chain's next call, on its way, starts in an idle engine
     # instead of after a background step; 0: off; None: by device (`pick_hold`)
     urgent_hold: float | None = None
+    # a step of only less urgent work runs layer by layer and pauses after a layer when
+    # more urgent work arrives (`step_loop.py`); None: by device (`pick_pause`)
+    pause_steps: bool | None = None
     # draft tokens a decode row checks per step (prompt lookup, `speculate.py`),
     # in steps of at most `speculate_rows` decode rows; None: by device
     # (`pick_speculate`); 0: off
@@ -144,6 +147,17 @@ def pick_hold(config: EngineConfig, device: torch.device) -> float:
     if config.urgent_hold is None:
         return 0.03 if device.type == "cpu" else 0.0
     return pick_linger(config.urgent_hold, "urgent_hold")
+
+
+def pick_pause(config: EngineConfig, device: torch.device) -> bool:
+    """`EngineConfig.pause_steps`; None: by device (CPU on: a throughput step there is up
+    to ~0.4 s, which a latency call arriving during it waited for; CUDA off: its steps take
+    milliseconds, and a check between layers would wait for the device each layer)."""
+    if config.pause_steps is None:
+        return device.type == "cpu"
+    if not isinstance(config.pause_steps, bool):
+        raise ValueError(f"pause_steps must be True, False or None, got {config.pause_steps!r}")
+    return config.pause_steps
 
 
 def pick_speculate(config: EngineConfig, device: torch.device) -> tuple[int, int]:

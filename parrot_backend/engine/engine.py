@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator, Hashable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from .config import (
     pick_background,
     pick_hold,
     pick_linger,
+    pick_pause,
     pick_share,
     pick_speculate,
 )
@@ -126,6 +128,11 @@ class Engine(StepLoop):
             speculate_rows=speculate[1],
             max_model_len=self.max_model_len,
         )
+        self.pause_steps = pick_pause(config, device)
+        self.steps_paused = 0
+        self._paused = None
+        self._pause_below = None
+        self._pause_flag = threading.Event()
         self._grammars: GrammarCompiler | None = None  # built by the first constraint
         self._grammars_lock: asyncio.Lock | None = None
         self.tokens_computed = 0

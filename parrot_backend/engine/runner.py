@@ -6,10 +6,20 @@ thread (`execute`). The compute thread never reads a `Context`: a task that free
 context, cancels its request or fills more tokens into it while the step runs changes
 nothing the step uses. Freed blocks go back to the pool at once, but blocks are only
 handed out again by the scheduler, which plans the next step after this one ends.
+
+A step may run layer by layer with a check between layers (`execute(batch,
+should_pause)`): when the check says so (a more urgent request arrived, `step_loop.py`),
+the step stops after a layer and returns a `Paused` (the hidden states between layers
+and the step's attention metadata); `resume` goes on from that layer. Each layer writes
+its own KV cache, so the layers before the pause keep theirs, and a step that runs in
+between writes only other blocks (the step loop pins the paused step's blocks: none is
+handed out again before it ends). The result is the one an unpaused step computes: the
+same layers on the same inputs, in the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +59,17 @@ class Batch:
 # a token, the tokens of a row with drafts, the error of this row, a fill's kept last
 # hidden state, or nothing
 StepResult = int | list[int] | BaseException | torch.Tensor | None
+
+
+@dataclass(slots=True)
+class Paused:
+    """A step stopped between two layers (`ModelRunner.execute` with `should_pause`)."""
+
+    batch: Batch
+    x: torch.Tensor  # the next layer's input
+    rope: tuple
+    meta: AttentionMetadata
+    layer: int  # the next layer to run
 
 
 class ModelRunner:
@@ -195,18 +216,59 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[StepResult]:
+    def execute(
+        self, batch: Batch, should_pause: Callable[[], bool] | None = None
+    ) -> list[StepResult] | Paused:
         """Compute KV for every sequence; sample a token for those that reach their end.
 
         A sampler that fails fails its own row only (its error is that row's result); a
-        failing forward pass raises (the engine then retries the rows one by one)."""
+        failing forward pass raises (the engine then retries the rows one by one). With
+        `should_pause`, the step runs layer by layer and stops after a layer where it
+        returns true (not after the last): the result is then a `Paused` for `resume`."""
+        hidden = None
+        if batch.ids:
+            ids, positions, meta = self._tensors(batch)
+            if should_pause is None or not hasattr(getattr(self.model, "model", None), "embed"):
+                hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+            else:
+                x, rope = self.model.model.embed(ids, positions)
+                paused = Paused(batch, x, rope, meta, 0)
+                hidden = self._layers(paused, should_pause)
+                if hidden is None:
+                    return paused
+        return self._results(batch, hidden)
+
+    @torch.inference_mode()
+    def resume(
+        self, paused: Paused, should_pause: Callable[[], bool] | None = None
+    ) -> list[StepResult] | Paused:
+        """Go on with a paused step from its next layer (it may pause again)."""
+        hidden = self._layers(paused, should_pause)
+        return paused if hidden is None else self._results(paused.batch, hidden)
+
+    def _layers(
+        self, paused: Paused, should_pause: Callable[[], bool] | None
+    ) -> torch.Tensor | None:
+        """Run a step's layers from `paused.layer` on; the final hidden states, or None
+        when it paused (then `paused` holds where it stopped)."""
+        model = self.model.model
+        layers = model.layers
+        x = paused.x
+        for i in range(paused.layer, len(layers)):
+            x = layers[i](x, paused.rope, self.kv_caches[i], paused.meta, self.backend)
+            if i + 1 < len(layers) and should_pause is not None and should_pause():
+                paused.x, paused.layer = x, i + 1
+                return None
+        paused.x = None  # the step's memory goes with its results
+        return model.norm(x)
+
+    def _results(self, batch: Batch, hidden: torch.Tensor | None) -> list[StepResult]:
+        """Each row's result from the step's final hidden states (None: no row computed)."""
         out: list[StepResult] = [None] * batch.size
         last: list[torch.Tensor] = []  # final hidden states to sample from, in this order
         who: list[tuple[int, Sampler]] = []
         checks: list[tuple[int, torch.Tensor, list[int], Sampler]] = []  # rows with drafts
-        if batch.ids:
-            ids, positions, meta = self._tensors(batch)
-            hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+        if hidden is not None:
             for i, j in enumerate(batch.rows):
                 end = batch.query_start[i + 1]
                 draft = batch.drafts[i]

@@ -22,6 +22,10 @@ chain's next call waits for. For the first `hold` seconds of the linger
 (`EngineConfig.urgent_hold`) it gets nothing: the plan is empty and `wake_at` tells the
 loop when to plan again if no request comes first, so the chain's next call, ~10 ms on
 its way, starts in an idle engine rather than after a background step.
+A step of less urgent work may pause between layers for more urgent work (`step_loop`):
+its requests (`paused`) stay running but no plan includes or preempts them; a plan that
+finds nothing more urgent to run (past a hold) sets `resume_paused` instead, and the loop
+goes on with the paused step.
 Waiting requests are admitted by priority, then arrival. A request asks the token-level
 prefix cache when it first gets room in a step (again after a preemption), so requests
 admitted together find the blocks that earlier ones computed while they waited; one whose
@@ -148,6 +152,14 @@ class Scheduler:
         self.joined: dict[int, tuple[Request, Request]] = {}
         self.joins = 0  # forks that joined their parent's step
         self.join_copied = 0  # parent tokens whose KV a step also wrote in a fork's block
+        # the requests of a step paused between layers for more urgent work (`step_loop`):
+        # they stay running, but no plan includes, preempts or evicts them until it ends;
+        # `paused_priority` is the most urgent of them (None: no step is paused)
+        self.paused: set[int] = set()
+        self.paused_priority: int | None = None
+        # set by a plan that found nothing more urgent than the paused step to run: the
+        # loop resumes that step instead of running the (empty) plan
+        self.resume_paused = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -173,13 +185,28 @@ class Scheduler:
         failed: list[tuple[Request, Exception]] = []
         self.clock += 1
         self.wake_at = None
+        self.resume_paused = False
         self._admit()
+        if self.paused and not any(
+            r.priority < self.paused_priority for r in self.running if id(r) not in self.paused
+        ):
+            # nothing more urgent than the paused step can run: it goes on (after the hold
+            # of a more urgent request that just ended: the next call of its chain is
+            # likely on its way, and the paused step would pause again for it)
+            if self._lingering is not None and self._now() < self._held_until:
+                self.wake_at = self._held_until
+            else:
+                self.resume_paused = True
+            return [], [], []
         budget = self.max_batched_tokens
         work: list[Work] = []
-        planned: set[int] = set()
+        planned: set[int] = set(self.paused)  # never preempted for this step's work
         computing: set[int] = set()  # chain hashes of the full blocks this step completes
         # decodes first (one token each), then prefills; both by priority, then arrival
-        order = sorted(self.running, key=lambda r: (r.pending > 1, r.priority, r.seq))
+        order = sorted(
+            (r for r in self.running if id(r) not in self.paused),
+            key=lambda r: (r.pending > 1, r.priority, r.seq),
+        )
         # the most urgent priority with work this step: less urgent work rides along in a
         # small share of the step only (the module doc)
         urgent = min(
@@ -268,7 +295,8 @@ class Scheduler:
             if n == 0:
                 break
             if not self._reserve(req, ctx.num_computed, n, planned):
-                if not work:  # alone and still too big: waiting would never help
+                if not work and not self.paused:  # alone and too big: waiting never helps
+                    # (a paused step's blocks come back when it ends)
                     self.running.remove(req)
                     failed.append(
                         (
@@ -339,6 +367,8 @@ class Scheduler:
                 budget -= n
                 if behind:
                     background -= n
+        if self.paused and not work and self.wake_at is None:
+            self.resume_paused = True  # nothing else can run (its blocks may be pinned)
         return work, finished, failed
 
     def _decode_rows(self, order: list[Request], urgent: int | None, background: int) -> int:
@@ -410,8 +440,10 @@ class Scheduler:
         """A full running set admits a more urgent request by preempting the newest of its
         least urgent requests (which waits, its KV recomputed later); False if none is
         less urgent."""
-        victim = max(self.running, key=_urgency)
-        if victim.priority <= req.priority:
+        victim = max(
+            (r for r in self.running if id(r) not in self.paused), key=_urgency, default=None
+        )
+        if victim is None or victim.priority <= req.priority:
             return False
         self.preempt(victim)
         return True

@@ -134,6 +134,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "(default: 0.03 on CPU, 0 on CUDA; 0: off)",
     )
     p.add_argument(
+        "--pause-steps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a step of only less urgent (throughput) work pauses after a layer when more "
+        "urgent work arrives, and goes on once that has run (default auto: on on CPU, off "
+        "on CUDA; docs/engine.md, Batching)",
+    )
+    p.add_argument(
         "--speculate",
         type=_non_negative,
         default=None,
@@ -193,6 +201,7 @@ def load_engine(args: argparse.Namespace) -> Engine:
         linear=args.linear,
         urgent_linger=args.urgent_linger,
         urgent_hold=args.urgent_hold,
+        pause_steps={"auto": None, "on": True, "off": False}[args.pause_steps],
         background_share=args.background_share,
         background_wait=args.background_wait,
         speculate=args.speculate,

@@ -43,10 +43,10 @@ def _gate(engine):
     entered, release = threading.Event(), threading.Event()
     execute = engine.runner.execute
 
-    def gated(batch):
+    def gated(batch, should_pause=None):
         entered.set()
         assert release.wait(30), "the test never released the step"
-        return execute(batch)
+        return execute(batch, should_pause)
 
     engine.runner.execute = gated
     return entered, release
@@ -170,16 +170,17 @@ def test_random_cancels_and_frees_never_kill_the_engine(engine):
 
 
 def _poison(engine, token_id):
-    """The model raises on any step whose batch holds `token_id`."""
-    model = engine.runner.model
-    forward = model.forward
+    """The model raises on any step whose batch holds `token_id` (its embedding, which a
+    step run whole and one run layer by layer both begin with)."""
+    model = engine.runner.model.model
+    embed = model.embed
 
     def broken(ids, *args, **kw):
         if bool((ids == token_id).any()):
             raise RuntimeError("poisoned token")
-        return forward(ids, *args, **kw)
+        return embed(ids, *args, **kw)
 
-    model.forward = broken
+    model.embed = broken
 
 
 def test_a_request_that_breaks_the_step_fails_alone(engine):

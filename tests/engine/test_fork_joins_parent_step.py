@@ -133,21 +133,21 @@ def test_a_fork_fails_with_the_parent_work_of_the_step_it_joined(tiny_model_dir)
     async def go():
         engine = _engine(tiny_model_dir)
         async with engine:
-            model = engine.runner.model
-            forward = model.forward
+            model = engine.runner.model.model  # every step begins with its embedding
+            forward = model.embed
 
             def broken(ids, *args, **kw):
                 if bool((ids == poison).any()):
                     raise RuntimeError("poisoned token")
                 return forward(ids, *args, **kw)
 
-            model.forward = broken
+            model.embed = broken
             filled = asyncio.ensure_future(engine.fill("p", None, head))
             fork = asyncio.ensure_future(engine.fill("f", "p", tail))
             forked = await asyncio.gather(fork, filled, return_exceptions=True)
             ctx = engine.contexts["f"]
             state = (list(ctx.blocks), ctx.num_computed)
-            model.forward = forward
+            model.embed = forward
             # the fork's context is still usable: its tokens are recomputed in full
             ids, _, _ = await collect(engine, "f", None, GEN)
             await engine.free("f")

@@ -256,11 +256,15 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(config, max_positions)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions)
+        x, rope = self.embed(input_ids, positions)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta, backend)
         return self.norm(x)
+
+    def embed(self, input_ids, positions):
+        """The first layer's input and the rotary tables: a step run layer by layer
+        (`runner.py`, a step paused for more urgent work) calls this, each layer, `norm`."""
+        return self.embed_tokens(input_ids), self.rotary.tables(positions)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,214 @@
+"""A step of only throughput work pauses between layers when a latency request arrives
+(`EngineConfig.pause_steps`, on by default on a CPU): the latency request runs first, the
+paused step then goes on from its layer, and every request gets the tokens it gets with
+no pausing. End to end on the tiny model (2 layers), with the pause made deterministic:
+the check between layers waits, the first time, until the latency request has arrived.
+Also: a context freed while its step is paused gives its blocks back only when the step
+ends (they are pinned), and the scheduler keeps paused requests out of its plans."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.engine.block_pool import BlockPool
+from parrot_backend.engine.config import EngineConfig, pick_pause
+from parrot_backend.engine.engine import Engine
+from parrot_backend.engine.scheduler import Scheduler
+
+from .test_background_share import BS, _add
+
+GEN = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (n,), generator=g).tolist()
+
+
+class Gate:
+    """Stands in for the engine's pause flag: the first check between layers waits (up to
+    30 s) until a more urgent request sets it, so that request arrives mid-step."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.entered = threading.Event()
+        self.checks = 0
+
+    def set(self) -> None:
+        self.flag.set()
+
+    def clear(self) -> None:
+        self.flag.clear()
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.flag.wait(30), "no urgent request came"
+        return self.flag.is_set()
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(30_000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _gen(engine, cid, prompt, priority, log):
+    await engine.fill(cid, None, prompt, priority=priority)
+    tokens = []
+    async for d in engine.generate(cid, None, GEN, priority=priority):
+        if d.token_id is not None:
+            tokens.append(d.token_id)
+        log.append(cid)
+    await engine.free(cid)
+    return tokens
+
+
+def _reference(tiny_model_dir, prompts):
+    """Each prompt alone, on an engine that never pauses."""
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, pause_steps=False)
+        async with engine:
+            return [await _gen(engine, f"r{i}", p, 1, []) for i, p in enumerate(prompts)]
+
+    return asyncio.run(go())
+
+
+def test_a_throughput_step_pauses_for_a_latency_request_and_both_get_their_tokens(
+    tiny_model_dir,
+):
+    bulk_prompt, urgent_prompt = _prompt(300, 1), _prompt(12, 2)
+    expected = _reference(tiny_model_dir, [bulk_prompt, urgent_prompt])
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        assert engine.pause_steps  # the CPU default
+        gate = engine._pause_flag = Gate()
+        log: list[str] = []
+        async with engine:
+            bulk = asyncio.create_task(_gen(engine, "bulk", bulk_prompt, 1, log))
+            await _until(gate.entered.is_set, "the throughput step")
+            urgent = await _gen(engine, "urgent", urgent_prompt, 0, log)
+            done_while_paused = engine._paused is not None
+            tokens = await bulk
+            return urgent, tokens, log, done_while_paused, engine.steps_paused, engine.stats_now()
+
+    urgent, bulk, log, done_while_paused, paused, stats = asyncio.run(go())
+    assert paused >= 1
+    # the latency request ran to its end while the throughput step waited, paused
+    assert done_while_paused
+    assert log.index("bulk") > max(i for i, c in enumerate(log) if c == "urgent")
+    assert [bulk, urgent] == expected
+    assert stats.blocks_used == 0 and stats.contexts == 0 and stats.running == 0
+
+
+def test_a_context_freed_while_its_step_is_paused_keeps_its_blocks_from_others(
+    tiny_model_dir,
+):
+    """The pool holds the paused fill's blocks and two more: the latency request needs
+    three, so it gets one of the freed context's blocks, but only once the paused step,
+    which still writes them, has ended; its tokens are those it gets alone."""
+    bulk_prompt, urgent_prompt = _prompt(300, 3), _prompt(40, 4)  # 19 and 3 blocks
+    (expected,) = _reference(tiny_model_dir, [urgent_prompt])
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=21, progress=False)
+        gate = engine._pause_flag = Gate()
+        resume, release = engine._resume, asyncio.Event()
+
+        async def held(**kw):  # the paused step goes on once the test has freed its context
+            await release.wait()
+            await resume(**kw)
+
+        engine._resume = held
+        async with engine:
+            bulk = asyncio.create_task(engine.fill("bulk", None, bulk_prompt, priority=1))
+            await _until(gate.entered.is_set, "the throughput step")
+            urgent = asyncio.create_task(_gen(engine, "urgent", urgent_prompt, 0, []))
+            await _until(lambda: engine._paused is not None, "the pause")
+            bulk.cancel()
+            await asyncio.gather(bulk, return_exceptions=True)
+            await engine.free("bulk")
+            freed = engine.stats_now().blocks_free  # the paused step's blocks stay pinned
+            release.set()
+            tokens = await urgent
+            return tokens, freed, engine.error, engine.stats_now()
+
+    tokens, freed, error, stats = asyncio.run(go())
+    assert error is None
+    assert freed == 2
+    assert tokens == expected
+    assert stats.blocks_used == 0 and stats.contexts == 0
+
+
+def _paused_scheduler(clock=lambda: 100.0, **kw) -> tuple[Scheduler, list]:
+    s = Scheduler(
+        BlockPool(64, BS),
+        max_num_seqs=8,
+        max_batched_tokens=256,
+        copy_block=lambda src, dst: None,
+        contexts={},
+        background_tokens=0,
+        background_share=0.0,
+        clock=clock,
+        **kw,
+    )
+    bulk = [_add(s, f"b{i}", 40, 1, kind="fill") for i in range(2)]
+    s._admit()
+    s.paused = {id(r) for r in bulk}
+    s.paused_priority = 1
+    return s, bulk
+
+
+def test_paused_requests_stay_out_of_plans_and_come_back_when_nothing_is_more_urgent():
+    s, bulk = _paused_scheduler()
+    work, _, _ = s.schedule()
+    assert work == [] and s.resume_paused  # only the paused step could run: it goes on
+    _add(s, "other", 40, 1, kind="fill")  # as urgent as the paused step
+    work, _, _ = s.schedule()
+    assert work == [] and s.resume_paused
+    urgent = _add(s, "urgent", 20, 0, kind="fill")
+    work, _, _ = s.schedule()
+    assert not s.resume_paused
+    assert {w.req.ctx.id for w in work} == {"urgent"}  # the paused ones are not planned
+    assert all(r in s.running for r in bulk)
+    s.remove(urgent)
+    s.paused, s.paused_priority = set(), None
+    work, _, _ = s.schedule()
+    assert {w.req.ctx.id for w in work} == {"b0", "b1", "other"}
+
+
+def test_a_paused_request_is_never_preempted_to_admit_a_more_urgent_one():
+    s, bulk = _paused_scheduler()
+    s.max_num_seqs = 2  # full: the two paused requests
+    urgent = _add(s, "urgent", 20, 0, kind="fill")
+    work, _, _ = s.schedule()
+    assert work == [] and s.resume_paused  # it waits for the paused step
+    assert s.preemptions == 0 and urgent in s.waiting
+
+
+def test_the_pause_waits_out_a_hold_before_resuming():
+    now = [100.0]
+    s, _ = _paused_scheduler(clock=lambda: now[0], linger=0.25, hold=0.03)
+    urgent = _add(s, "urgent", 20, 0, kind="fill")
+    s._admit()
+    s.remove(urgent)  # a latency call just ended: its chain's next call is on its way
+    work, _, _ = s.schedule()
+    assert work == [] and not s.resume_paused and s.wake_at == 100.03
+    now[0] += 0.04
+    s.schedule()
+    assert s.resume_paused
+
+
+def test_pause_steps_by_device():
+    assert pick_pause(EngineConfig(), torch.device("cpu")) is True
+    assert pick_pause(EngineConfig(), torch.device("cuda")) is False
+    assert pick_pause(EngineConfig(pause_steps=False), torch.device("cpu")) is False

@@ -82,3 +82,16 @@ def test_a_bad_urgent_linger_is_refused(capsys, value) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--urgent-linger", value])
     assert "--urgent-linger" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_pause_steps_flag_reaches_the_engine(tiny_model_dir, command) -> None:
+    assert _load(tiny_model_dir, command).pause_steps is True  # auto: on on a CPU
+    assert _load(tiny_model_dir, command, "--pause-steps", "off").pause_steps is False
+    assert _load(tiny_model_dir, command, "--pause-steps", "on").pause_steps is True
+
+
+def test_an_unknown_pause_steps_value_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--pause-steps", "sometimes"])
+    assert "invalid choice" in capsys.readouterr().err

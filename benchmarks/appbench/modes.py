@@ -64,6 +64,12 @@ async def step_mark(http: httpx.AsyncClient) -> int | None:
     return r.json()["next"] if r.status_code == 200 else None
 
 
+async def forget(http: httpx.AsyncClient) -> bool:
+    """Drop the server's cached prefixes (`/bench/forget`); False without the route."""
+    r = await http.post("/bench/forget")
+    return r.status_code == 200
+
+
 async def step_summary(http: httpx.AsyncClient, mark: int | None) -> dict:
     """Where the engine's time went since `mark`: busy time in steps with prefill tokens
     and in pure decode steps, step counts, the mean decode batch."""
@@ -251,11 +257,14 @@ async def run_mixed(
     delay: float,
     loaded: tuple[Workload, Workload] | None = None,
 ) -> dict:
-    """Mixed tenants, in one mode: the latency chain alone, the throughput batch alone,
-    then the batch with the chain submitted `delay` s after it. The batch's outputs are
+    """Mixed tenants, in one mode: the throughput batch alone, the batch with the chain
+    submitted `delay` s after it, then the same chain alone (idle). The batch's outputs are
     `throughput` in parrot mode; request-level has no way to say so (FIFO). `loaded`: the
-    (chain, batch) of the loaded run, the same shapes with texts of their own, so that no
-    prompt of the alone runs is in the engine's cache (default: the same workloads)."""
+    (chain, batch) of the loaded run, the same shapes with texts of their own (default:
+    the same workloads). On a server with `/bench/forget` every run starts with nothing
+    cached, and the idle chain is the loaded one, run again (its JCT depends on what it
+    generates, so a chain of other texts is no baseline: +-30% here); without the route
+    the idle chain is `chain`, run first, on texts of its own."""
 
     async def one(wl: Workload) -> dict:
         if mode == "parrot":
@@ -266,16 +275,23 @@ async def run_mixed(
         await asyncio.sleep(delay)
         return await one(wl)
 
-    chain_idle = await one(chain)
-    batch_alone = await one(batch)
     chain2, batch2 = loaded or (chain, batch)
+    same = await forget(http)
+    if not same:
+        chain_idle = await one(chain)
+    batch_alone = await one(batch)
+    await forget(http)
     batch_loaded, chain_loaded = await asyncio.gather(one(batch2), later(chain2))
+    if same:
+        await forget(http)
+        chain_idle = await one(chain2)
 
     def tput(run: dict) -> float:
         return sum(c["tokens"] for c in run["calls"]) / run["jct"]
 
     return {
         "chain_idle": chain_idle["jct"],
+        "idle_same_texts": same,  # the idle chain is the loaded one, run again
         "chain_loaded": chain_loaded["jct"],
         "batch_alone_jct": batch_alone["jct"],
         "batch_loaded_jct": batch_loaded["jct"],

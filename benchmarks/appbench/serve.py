@@ -123,6 +123,22 @@ def _install(app, engine, native) -> None:
         rows = list(steps)[start - base[0] :]
         return {"next": total, "steps": rows}
 
+    @app.post("/bench/forget", include_in_schema=False)
+    async def forget() -> dict:
+        """Drop what earlier runs left cached: the manager's idle shared prefixes (their
+        engine contexts freed) and the engine's token-level cache of free blocks, so that
+        a run of texts already run computes them again (the mixed-tenant workload runs
+        its chain idle on the texts it ran under the batch: `modes.run_mixed`)."""
+        m = getattr(native, "manager", None) if native is not None else None
+        sharing = getattr(m, "sharing", None)
+        if sharing is not None:
+            await sharing.close()  # frees idle prefixes only; a held one stays
+        pool = engine.pool
+        cached = [b for b in pool.free if pool.block_hash[b] is not None]
+        for b in cached:
+            pool._forget(b)
+        return {"blocks": len(cached), "prefixes": len(sharing.table) if sharing else None}
+
     @app.get("/bench/manager", include_in_schema=False)
     async def manager_counters() -> dict:
         if native is None:

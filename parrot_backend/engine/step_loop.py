@@ -261,6 +261,9 @@ class StepLoop:
         its rows get their results. A request that ended while it was paused (cancelled,
         its context freed) gets nothing, and its context counts none of the step's KV."""
         paused = self._paused
+        if all(w.req.done for w in paused.work):  # nobody waits for the rest of it
+            self._unpause()
+            return
         loop = asyncio.get_running_loop()
         self._pause_flag.clear()
         self._pause_below = self.scheduler.paused_priority if pausable else None
@@ -271,8 +274,10 @@ class StepLoop:
         except Exception as exc:
             log.warning("a paused step failed when resumed (%r); retrying its rows", exc)
             self._unpause()
-            live = [w for w in paused.work if not w.req.done]
-            self._postprocess(live, await self._retry_rows(live), paused.joined)
+            # every row: one that ended meanwhile gets StepFailed, so work that depends
+            # on it in the step fails too
+            results = await self._retry_rows(paused.work)
+            self._postprocess(paused.work, results, paused.joined, resumed=True)
             return
         finally:
             self._pause_below = None
@@ -324,7 +329,15 @@ class StepLoop:
         """
         loop = asyncio.get_running_loop()
         runner = self.runner
-        pausable = self.pause_steps and any(w.n for w in work)
+        # not while another step is paused (one paused step at a time), nor with forks that
+        # joined a fill of this step: a fork without work of its own in it holds the
+        # fill's blocks, which a plan made during the pause would read half written
+        pausable = (
+            self.pause_steps
+            and self._paused is None
+            and not self.scheduler.joined
+            and any(w.n for w in work)
+        )
         self._pause_flag.clear()
         self._pause_below = min(w.req.priority for w in work) if pausable else None
         try:

@@ -103,6 +103,10 @@ def test_quick_run_writes_a_sane_table(apps, tiny_model_dir, tmp_path):
     # mixed tenants ran once (cache on) in both modes
     assert set(result["mixed"]) >= {"chain_slowdown", "chain_vs_fifo", "batch_tput_vs_fifo"}
     assert all(v > 0 for v in result["mixed"].values())
+    mixed_runs = [run for run in saved["runs"] if run["workload"] == "mixed_tenant"]
+    assert {run["mode"] for run in mixed_runs} == {"parrot", "request-level"}
+    # the idle chain is the loaded chain's texts, run again with nothing cached
+    assert all(run["mixed"]["idle_same_texts"] is True for run in mixed_runs)
     assert "Mixed tenants" in table
     for plot in result["plots"]:
         assert (out / plot).stat().st_size > 1000

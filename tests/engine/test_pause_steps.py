@@ -212,3 +212,115 @@ def test_pause_steps_by_device():
     assert pick_pause(EngineConfig(), torch.device("cpu")) is True
     assert pick_pause(EngineConfig(), torch.device("cuda")) is False
     assert pick_pause(EngineConfig(pause_steps=False), torch.device("cpu")) is False
+
+
+def _hold_steps(engine, when):
+    """Hold a step on the compute thread, before it runs, while `when()` says so, until
+    the returned event is set; the second event says a step is being held."""
+    release, held = threading.Event(), threading.Event()
+    execute = engine.runner.execute
+
+    def gated(batch, should_pause=None):
+        if when():
+            held.set()
+            assert release.wait(30), "the test never released the step"
+        return execute(batch, should_pause)
+
+    engine.runner.execute = gated
+    return release, held
+
+
+def test_a_step_with_forks_that_joined_its_fill_does_not_pause(tiny_model_dir):
+    """A fork that joins its parent's fill step without work of its own would be planned
+    during a pause over the parent's half-written KV: such a step never pauses, and the
+    fork generates what it generates with no urgent request around."""
+    parent = _prompt(40, 11)
+
+    async def go(urgent: bool):
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        release, held = _hold_steps(engine, lambda: bool(engine.scheduler.joined))
+        if not urgent:
+            release.set()
+        async with engine:
+            fill = asyncio.ensure_future(engine.fill("p", None, parent, priority=1))
+            fork = asyncio.ensure_future(_tokens(engine, "d", "p", 0))
+            if urgent:
+                await _until(held.is_set, "the joined step")
+                seen = engine.submitted
+                x = asyncio.create_task(engine.fill("x", None, _prompt(12, 12), priority=0))
+                await _until(lambda: engine.submitted > seen, "the urgent request")
+                release.set()
+                await x
+            tokens = await fork
+            await fill
+            return tokens, engine.steps_paused, engine.error
+
+    expected, _, _ = asyncio.run(go(False))
+    tokens, paused, error = asyncio.run(go(True))
+    assert error is None and paused == 0
+    assert tokens == expected
+
+
+async def _tokens(engine, cid, parent, priority):
+    out = []
+    async for d in engine.generate(cid, parent, GEN, priority=priority):
+        if d.token_id is not None:
+            out.append(d.token_id)
+    return out
+
+
+def test_only_one_step_is_paused_at_a_time(tiny_model_dir):
+    """Three priorities: a step of priority 2 pauses for a priority-1 request, whose step,
+    run during the pause, does not pause for a priority-0 one (a second pause would lose
+    the first's pinned blocks); everything completes and no block stays used."""
+    prompts = {"a": _prompt(300, 1), "x": _prompt(100, 2), "y": _prompt(12, 3)}
+    expected = _reference(tiny_model_dir, list(prompts.values()))
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        gate = engine._pause_flag = Gate()
+        release, held = _hold_steps(engine, lambda: engine._paused is not None)
+        async with engine:
+            a = asyncio.create_task(_gen(engine, "a", prompts["a"], 2, []))
+            await _until(gate.entered.is_set, "a's step")
+            x = asyncio.create_task(_gen(engine, "x", prompts["x"], 1, []))
+            await _until(held.is_set, "a step during the pause")
+            seen = engine.submitted
+            y = asyncio.create_task(_gen(engine, "y", prompts["y"], 0, []))
+            await _until(lambda: engine.submitted > seen, "y")  # while x's step is held
+            release.set()
+            got = await asyncio.gather(a, x, y)
+            return got, engine.steps_paused, engine.error, engine.stats_now()
+
+    got, paused, error, stats = asyncio.run(go())
+    assert error is None and paused == 1
+    assert got == expected
+    assert stats.blocks_used == 0 and stats.contexts == 0
+
+
+def test_a_paused_step_that_fails_when_resumed_retries_its_rows(tiny_model_dir):
+    bulk_prompt, urgent_prompt = _prompt(300, 5), _prompt(12, 6)
+    expected = _reference(tiny_model_dir, [bulk_prompt, urgent_prompt])
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        gate = engine._pause_flag = Gate()
+        resume, calls = engine.runner.resume, []
+
+        def fails_once(*args, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("the device hiccuped")
+            return resume(*args, **kw)
+
+        engine.runner.resume = fails_once
+        async with engine:
+            bulk = asyncio.create_task(_gen(engine, "bulk", bulk_prompt, 1, []))
+            await _until(gate.entered.is_set, "the throughput step")
+            urgent = await _gen(engine, "urgent", urgent_prompt, 0, [])
+            return [await bulk, urgent], len(calls), engine.error, engine.stats_now()
+
+    got, calls, error, stats = asyncio.run(go())
+    assert calls == 1 and error is None
+    assert got == expected  # the bulk's rows were computed again, one by one
+    assert stats.blocks_used == 0

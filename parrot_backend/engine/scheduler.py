@@ -193,7 +193,11 @@ class Scheduler:
             # nothing more urgent than the paused step can run: it goes on (after the hold
             # of a more urgent request that just ended: the next call of its chain is
             # likely on its way, and the paused step would pause again for it)
-            if self._lingering is not None and self._now() < self._held_until:
+            if (
+                self._lingering is not None
+                and self._lingering[0] < self.paused_priority
+                and self._now() < self._held_until
+            ):
                 self.wake_at = self._held_until
             else:
                 self.resume_paused = True

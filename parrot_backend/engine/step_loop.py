@@ -143,8 +143,15 @@ class StepLoop:
         self.submitted += 1
         req.ctx.queue.append(req)
         self.scheduler.add(req)
-        if self._pause_below is not None and req.priority < self._pause_below:
-            self._pause_flag.set()  # the running step stops after its current layer
+        if (
+            self._pause_below is not None
+            and req.priority < self._pause_below
+            and req.ctx.queue[0] is req
+            and (req.ctx.attached or not req.ctx.parent.busy)
+        ):
+            # the running step stops after its current layer (not for a request that must
+            # wait anyway: behind another on its context, or a fork of a busy parent)
+            self._pause_flag.set()
         self._wake.set()
 
     def _cancel(self, req: Request) -> None:

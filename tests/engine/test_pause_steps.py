@@ -33,10 +33,11 @@ class Gate:
     """Stands in for the engine's pause flag: the first check between layers waits (up to
     30 s) until a more urgent request sets it, so that request arrives mid-step."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait: float = 30.0, required: bool = True) -> None:
         self.flag = threading.Event()
         self.entered = threading.Event()
         self.checks = 0
+        self.wait, self.required = wait, required
 
     def set(self) -> None:
         self.flag.set()
@@ -48,7 +49,8 @@ class Gate:
         self.checks += 1
         if not self.entered.is_set():
             self.entered.set()
-            assert self.flag.wait(30), "no urgent request came"
+            came = self.flag.wait(self.wait)
+            assert came or not self.required, "no urgent request came"
         return self.flag.is_set()
 
 
@@ -324,3 +326,35 @@ def test_a_paused_step_that_fails_when_resumed_retries_its_rows(tiny_model_dir):
     assert calls == 1 and error is None
     assert got == expected  # the bulk's rows were computed again, one by one
     assert stats.blocks_used == 0
+
+
+def test_a_request_that_must_wait_anyway_does_not_pause_the_step(tiny_model_dir):
+    """A latency fork of the context the running step fills cannot run before that fill
+    ends: it does not pause the step (which would only resume at once)."""
+    parent = _prompt(300, 7)
+
+    async def go():
+        engine = Engine.from_pretrained(tiny_model_dir, num_blocks=128, progress=False)
+        gate = engine._pause_flag = Gate(wait=0.5, required=False)
+        async with engine:
+            fill = asyncio.create_task(engine.fill("p", None, parent, priority=1))
+            await _until(gate.entered.is_set, "the fill's step")
+            tokens = await _tokens(engine, "d", "p", 0)
+            await fill
+            return tokens, engine.steps_paused, gate.flag.is_set(), engine.error
+
+    tokens, paused, flagged, error = asyncio.run(go())
+    assert error is None and paused == 0 and not flagged
+    assert len(tokens) == GEN.max_tokens
+
+
+def test_the_hold_is_only_for_work_less_urgent_than_the_request_that_ended():
+    """A request as urgent as the paused step ending (a cancelled throughput call) starts
+    no hold before the paused step goes on; a more urgent one does."""
+    now = [100.0]
+    s, _ = _paused_scheduler(clock=lambda: now[0], linger=0.25, hold=0.03)
+    peer = _add(s, "peer", 20, 1, kind="fill")
+    s._admit()
+    s.remove(peer)
+    work, _, _ = s.schedule()
+    assert work == [] and s.resume_paused and s.wake_at is None

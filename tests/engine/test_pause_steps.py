@@ -9,11 +9,12 @@ ends (they are pinned), and the scheduler keeps paused requests out of its plans
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import torch
 
-from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.contract.sampling import Constraint, SamplingParams
 from parrot_backend.engine.block_pool import BlockPool
 from parrot_backend.engine.config import EngineConfig, pick_pause
 from parrot_backend.engine.engine import Engine
@@ -31,13 +32,25 @@ def _prompt(n, seed):
 
 class Gate:
     """Stands in for the engine's pause flag: the first check between layers waits (up to
-    30 s) until a more urgent request sets it, so that request arrives mid-step."""
+    30 s) until a more urgent request sets it, so that request arrives mid-step. With
+    `when`, only a check in a step whose batch `when(batch)` accepts waits (`watch`)."""
 
-    def __init__(self, wait: float = 30.0, required: bool = True) -> None:
+    def __init__(self, wait: float = 30.0, required: bool = True, when=None) -> None:
         self.flag = threading.Event()
         self.entered = threading.Event()
         self.checks = 0
         self.wait, self.required = wait, required
+        self.when, self.batch, self.held = when, None, None
+
+    def watch(self, engine) -> None:
+        """Note each step's batch as it starts on the compute thread (for `when`)."""
+        execute = engine.runner.execute
+
+        def noted(batch, should_pause=None):
+            self.batch = batch
+            return execute(batch, should_pause)
+
+        engine.runner.execute = noted
 
     def set(self) -> None:
         self.flag.set()
@@ -47,7 +60,8 @@ class Gate:
 
     def is_set(self) -> bool:
         self.checks += 1
-        if not self.entered.is_set():
+        if not self.entered.is_set() and (self.when is None or self.when(self.batch)):
+            self.held = self.batch
             self.entered.set()
             came = self.flag.wait(self.wait)
             assert came or not self.required, "no urgent request came"
@@ -358,3 +372,100 @@ def test_the_hold_is_only_for_work_less_urgent_than_the_request_that_ended():
     s.remove(peer)
     work, _, _ = s.schedule()
     assert work == [] and s.resume_paused and s.wake_at is None
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title_of_the_document": {"type": "string", "maxLength": 12},
+        "number_of_pages_in_total": {"type": "integer", "minimum": 1, "maximum": 999},
+    },
+    "required": ["title_of_the_document", "number_of_pages_in_total"],
+}
+
+
+def test_a_paused_step_of_drafted_and_constrained_rows_gives_their_plain_tokens(
+    tiny_model_dir,
+):
+    """Two throughput generations under grammars (a JSON schema, whose forced keys and
+    quotes are drafted, and a sampled regex) pause in a decode step that checks drafts
+    under grammar masks; the latency request runs during the pause, and the paused step
+    then goes on. Every generation yields what it yields with no drafts and no pausing:
+    the masks were built before the step and the drafts are judged after it ends."""
+    bulk = [
+        (
+            _prompt(20, 21),
+            SamplingParams(max_tokens=40, constraint=Constraint("json_schema", json.dumps(SCHEMA))),
+        ),
+        (
+            _prompt(24, 22),
+            SamplingParams(
+                max_tokens=16,
+                temperature=0.8,
+                seed=8,
+                constraint=Constraint("regex", "[a-z ]{1,40}"),
+            ),
+        ),
+    ]
+    # the latency request is constrained too: its masks are computed during the pause
+    urgent = (
+        _prompt(12, 23),
+        SamplingParams(max_tokens=30, constraint=Constraint("json_schema", json.dumps(SCHEMA))),
+    )
+
+    async def generate(engine, cid, prompt, sampling, priority, log):
+        await engine.fill(cid, None, prompt, priority=priority)
+        out = []
+        async for d in engine.generate(cid, None, sampling, priority=priority):
+            if d.token_id is not None:
+                out.append(d.token_id)
+            log.append(cid)
+        await engine.free(cid)
+        return out
+
+    async def plain():
+        engine = Engine.from_pretrained(
+            tiny_model_dir, num_blocks=128, progress=False, pause_steps=False, speculate=0
+        )
+        async with engine:
+            got = await asyncio.gather(
+                *(generate(engine, f"b{i}", p, s, 1, []) for i, (p, s) in enumerate(bulk))
+            )
+            return [*got, await generate(engine, "u", *urgent, 0, [])]
+
+    def drafting_and_constrained(batch) -> bool:
+        rows = [i for i, d in enumerate(batch.drafts) if d]
+        return bool(rows) and any(
+            batch.samplers[i] is not None and batch.samplers[i].grammar is not None for i in rows
+        )
+
+    async def paused():
+        engine = Engine.from_pretrained(
+            tiny_model_dir, num_blocks=128, progress=False, speculate=4, speculate_rows=8
+        )
+        gate = engine._pause_flag = Gate(when=drafting_and_constrained)
+        gate.watch(engine)
+        log: list[str] = []
+        async with engine:
+            tasks = [
+                asyncio.create_task(generate(engine, f"b{i}", p, s, 1, log))
+                for i, (p, s) in enumerate(bulk)
+            ]
+            await _until(gate.entered.is_set, "a drafted, constrained throughput step")
+            at_pause = len(log)
+            alone = await generate(engine, "u", *urgent, 0, log)
+            during = engine._paused is not None
+            got = await asyncio.gather(*tasks)
+            return [*got, alone], gate.held, during, log[at_pause:], engine.steps_paused, engine
+
+    expected = asyncio.run(plain())
+    got, held, during, log, steps_paused, engine = asyncio.run(paused())
+    assert steps_paused >= 1 and during
+    assert sum(len(d) for d in held.drafts if d) > 0  # the paused step checked drafts
+    # from the pause on, the latency request ran to its end before any throughput token
+    urgent_deltas = log.count("u")
+    assert urgent_deltas > 0 and log[:urgent_deltas] == ["u"] * urgent_deltas
+    assert got == expected
+    s = engine.stats_now()
+    assert s.draft_tokens_accepted > 0 and s.blocks_used == 0 and s.contexts == 0
+    assert set(json.loads(engine.detokenize(got[0]))) == set(SCHEMA["properties"])

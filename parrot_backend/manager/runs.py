@@ -27,6 +27,10 @@ class RunClosedError(ValueError):
     """The run is closed (or over): it accepts no more calls or inputs."""
 
 
+class InputAlreadySet(ValueError):
+    """An input of the run already has a value (an input is set once)."""
+
+
 class VariableFailed(RuntimeError):
     """The variable will never get a value: its call, or one upstream, failed."""
 
@@ -114,6 +118,7 @@ class Run:
     deduction: Deduction | None = None
     state: RunPhase = "running"
     _lock: asyncio.Lock | None = field(default=None, init=False, repr=False)
+    _mutex: asyncio.Lock | None = field(default=None, init=False, repr=False)
     # values waiting to be told to the listeners together (`RunTransitions.set_value`)
     value_outbox: list[tuple[dict[str, Any], asyncio.Future[None]]] = field(
         default_factory=list, init=False, repr=False
@@ -125,6 +130,16 @@ class Run:
         if self._lock is None:
             self._lock = asyncio.Lock()
         return self._lock
+
+    @property
+    def mutex(self) -> asyncio.Lock:
+        """Held by a client's change to an open run (calls added, an input set, closed)
+        from its checks to its last event: two changes racing (two values for one input,
+        a close beside a value or a call) take effect one after the other, as if sent in
+        turn. Made on first use."""
+        if self._mutex is None:
+            self._mutex = asyncio.Lock()
+        return self._mutex
 
     def criteria(self) -> dict[str, Criterion]:
         """Every wait that objective deduction should see: declared outputs and `get`s

@@ -176,7 +176,8 @@ async def add_calls(
 ) -> CallsAdded:
     """Add calls to an open run (they start as soon as their inputs have values), then set
     `inputs`, then close the run when `close` is true: a client continuing a run after
-    running code of its own needs one request for all three."""
+    running code of its own needs one request for all three. All or nothing: when the run
+    could not close (an input never given), neither the calls nor the inputs are kept."""
     await owned(rt, tenant, run_id)
     if not rt.live(tenant, run_id):
         raise APIError(409, f"run {run_id} is over; it takes no calls", code="run_closed")
@@ -194,8 +195,8 @@ async def add_calls(
             )
         if name in run.values:
             raise APIError(409, f"input {name!r} already has a value", code="already_set")
-    names: list[str] = []
     with client_errors(run_id):
+        calls = []
         if body.calls:
             first = len(run.program.calls)
             calls = lower_calls(body.calls, state.chat_template, state.special_tokens, first)
@@ -207,11 +208,10 @@ async def add_calls(
                     f"variables given as inputs cannot be generated: {clash}",
                     code="program_error",
                 )
-            names = await rt.manager.add_calls(run_id, calls, body.outputs)
-        for name, value in body.inputs.items():
-            await rt.manager.set_input(run_id, name, value)
-        if body.close:
-            await rt.manager.close_run(run_id)
+        # all or nothing: a run that could not close keeps neither the calls nor the inputs
+        names = await rt.manager.add_calls(
+            run_id, calls, body.outputs, inputs=body.inputs, close=body.close
+        )
     return CallsAdded(run_id=run_id, names=names)
 
 

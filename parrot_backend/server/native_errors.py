@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from parrot_backend.manager.runs import RunClosedError, RunNotFound, TenantBusy
+from parrot_backend.manager.runs import InputAlreadySet, RunClosedError, RunNotFound, TenantBusy
 from parrot_backend.program import ProgramError, TemplateError
 from parrot_backend.store import InvalidRequestError, NotFoundError
 
@@ -31,6 +31,8 @@ def client_errors(run_id: str | None = None) -> Iterator[None]:
         raise APIError(404, str(exc), code="not_found") from None
     except RunClosedError as exc:
         raise APIError(409, str(exc), code="run_closed") from None
+    except InputAlreadySet as exc:
+        raise APIError(409, str(exc), code="already_set") from None
     except TemplateError as exc:
         raise APIError(400, str(exc), code="template_error") from None
     except ChatCallError as exc:

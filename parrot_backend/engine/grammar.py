@@ -21,6 +21,7 @@ This module imports no torch: the manager and the server check constraints with 
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -85,13 +86,32 @@ def closed(schema: Any) -> Any:
     return out
 
 
+class _NotFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    """NaN and Infinity (which Python's json reads and writes, JSON does not have): a
+    schema with one would compile to something else (`{"const": NaN}` became `null`)."""
+    raise _NotFinite(name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400
+        raise _NotFinite(text)
+    return value
+
+
 def grammar_source(constraint: Constraint) -> str:
     """The llguidance grammar (its serialized form) for a constraint; GrammarError when the
     spec is not even well-formed (the grammar itself is checked by `check`)."""
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_schema":
         try:
-            schema = json.loads(spec)
+            schema = json.loads(spec, parse_constant=_no_constant, parse_float=_finite)
+        except _NotFinite as exc:
+            raise GrammarError(f"json_schema has a number that is not finite: {exc}") from None
         except ValueError as exc:
             raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
@@ -125,18 +145,63 @@ def _readable(kind: str, message: str) -> str:
     return text if text.startswith(kind) else f"{kind}: {text}"
 
 
+def _matcher_error(message: str) -> str:
+    """llguidance's matcher error without the parser state it appends (hundreds of lines
+    of internal rows and token dumps, no use to a client)."""
+    return message.split("<state>", 1)[0].strip() or "invalid grammar"
+
+
+class _ByteVocabulary:
+    """A tokenizer of 256 single-byte tokens and an end token, for `_admits_nothing`: it
+    spells every string, so a grammar whose first mask under it is empty admits no
+    value under any tokenizer."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()), slices=[])
+
+
+def _admits_nothing(kind: str, source: str) -> str:
+    """The problem of a grammar that compiles but admits no value at all (a regex such
+    as `[^\\s\\S]`, a schema that is only a `$ref` to itself): its first mask, over bytes,
+    is empty, and the engine would fail the call at its first token. Lark grammars may
+    name the model's special tokens, which bytes lack: not checked here."""
+    if kind == "lark":
+        return ""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), source, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if not matcher.is_error():
+        return ""
+    error = _matcher_error(matcher.get_error())
+    if error.startswith("NoExtensionBias"):
+        return f"{kind}: the constraint admits no value at all"
+    return _readable(kind, error)
+
+
 @lru_cache(maxsize=1024)
 def _problem(kind: str, spec: str | tuple[str, ...]) -> str:
     try:
         source = grammar_source(Constraint(kind, spec))
         message = llguidance.LLMatcher.validate_grammar(source, None)
+        if not message:
+            return _admits_nothing(kind, source)
     except GrammarError as exc:
         return str(exc)
     except BaseException as exc:  # a panic in the native library is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return f"{kind}: the grammar engine cannot compile it ({type(exc).__name__}: {exc})"
-    return _readable(kind, message) if message else ""
+    return _readable(kind, message)
 
 
 def check(constraint: Constraint) -> None:
@@ -170,7 +235,8 @@ class GrammarState:
         GrammarError if the matcher is in an error state (a grammar too complex to step)."""
         self.matcher.unsafe_compute_mask_ptr(pointer, nbytes)
         if self.matcher.is_error():
-            raise GrammarError(f"constrained decoding failed: {self.matcher.get_error()}")
+            error = _matcher_error(self.matcher.get_error())
+            raise GrammarError(f"constrained decoding failed: {error}")
 
     def fill_masks_ahead(self, draft: list[int], pointer: int, nbytes: int) -> None:
         """The next-token bitmask at `pointer`, then one after each token of `draft` at
@@ -244,7 +310,7 @@ class GrammarCompiler:
         check(constraint)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_source(constraint), log_level=0)
         if matcher.is_error():
-            raise GrammarError(_readable(constraint.kind, matcher.get_error()))
+            raise GrammarError(_readable(constraint.kind, _matcher_error(matcher.get_error())))
         with self._lock:
             self.misses += 1
             self._cache[key] = matcher

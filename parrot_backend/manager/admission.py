@@ -6,6 +6,8 @@ Checked before anything changes, so a refused request leaves no trace:
   included (a ProgramError, 400);
 - limits: every generation config fits the model's vocabulary and context
   (`EngineSet.check_limits`; a ProgramError, 400);
+- prompt: every call has text or an input before its first output, the prompt the model
+  continues (a ProgramError, 400; it failed the call at run time);
 - tenant: a tenant has at most `max_calls_per_tenant` calls ready or running at once,
   counting the calls the request would make ready now (TenantBusy, 429: retry later).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from parrot_backend.program import Call, ProgramError
+from parrot_backend.program.template import OutputRef
 
 from .engines import EngineSet
 from .ready_queue import ReadyQueue
@@ -52,6 +55,14 @@ class Admission:
         """Raise if `calls` do not fit the model (`limits`) or would make more calls of
         `tenant` ready now (those with every input in `values`) than it may have."""
         calls = list(calls)
+        bare = [c for c in calls if c.segments and isinstance(c.segments[0], OutputRef)]
+        if bare:
+            problems = [
+                f"call {c.name!r}: nothing before {{{{output:{c.segments[0].name}}}}}; a call "
+                "needs text or an input before its first output (the prompt the model continues)"
+                for c in bare
+            ]
+            raise ProgramError("; ".join(problems[:5]), problems)
         if limits:
             self.engines.check_limits(calls)
         adding = sum(1 for c in calls if c.outputs and all(i in values for i in c.inputs))

@@ -101,11 +101,70 @@ def create_app(
         BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=metrics.reject
     )
     app.add_middleware(AuthMiddleware, authenticator=authenticator, on_reject=metrics.reject)
+    _document_errors(app, auth=settings.auth_enabled)
     if settings.auth_enabled:
         _document_bearer_auth(app)
     else:
         log.warning("API authentication is off (loopback only: %s)", settings.host)
     return app
+
+
+# What any operation may answer besides its success: bad input, no such run or variable,
+# a state conflict (a closed run, an input set twice), a body over the limit, a tenant or
+# server over its backlog, no engine to serve; 401 with auth on.
+_ERROR_STATUSES = {
+    "400": "Bad input: the message names the problem (and `param`, where there is one)",
+    "404": "Not found (a run, variable, workflow or model)",
+    "409": "Conflict with the state (a closed or cancelled run, an input set twice)",
+    "413": "Request body too large",
+    "429": "Too many requests waiting (retry after `Retry-After` seconds)",
+    "503": "No engine can serve the request now",
+}
+
+
+def _document_errors(app: FastAPI, *, auth: bool) -> None:
+    """Document the error answers the server gives, in the OpenAI error shape, in place of
+    FastAPI's 422 (it never sends one: validation errors are 400s): generated clients and
+    schema-driven tests then know every status an operation may return."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas["ErrorResponse"] = {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type"],
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]},
+                        "code": {"type": ["string", "null"]},
+                    },
+                }
+            },
+        }
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        statuses = dict(_ERROR_STATUSES)
+        if auth:
+            statuses["401"] = "Missing or unknown API key"
+        ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                for status, text in statuses.items():
+                    responses.setdefault(status, {"description": text, "content": ref})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
 
 
 def _document_bearer_auth(app: FastAPI) -> None:

@@ -170,11 +170,17 @@ def _detail(db: Session | Connection, run: Row[Any]) -> RunDetail:
     conn = db.connection() if isinstance(db, Session) else db
     variables = conn.execute(select(_VARS).where(_VARS.c.run_id == run.id).order_by(_VARS.c.id))
     calls = conn.execute(select(_CALLS).where(_CALLS.c.run_id == run.id).order_by(_CALLS.c.idx))
+    records = {v.name: variable_record(v) for v in variables}
+    # the inputs given when the run was created, then those an open run was given later
+    inputs = dict(run.inputs)
+    for name, v in records.items():
+        if v.producer_call is None and v.value is not None and name not in inputs:
+            inputs[name] = v.value
     return RunDetail(
         run=run_record(run),
         program=run.program,
-        inputs=dict(run.inputs),
-        variables={v.name: variable_record(v) for v in variables},
+        inputs=inputs,
+        variables=records,
         calls=tuple(call_record(c) for c in calls),
     )
 

@@ -217,6 +217,39 @@ CASES = [
         "stop strings cannot be combined",
     ),
     ("response-format-unknown", CH, ch(response_format={"type": "yaml"}), 400, "response_format"),
+    (
+        # NaN and 1e400 are no JSON numbers; the schema compiled to `null` before
+        "response-format-schema-nan",
+        CH,
+        raw(
+            json.dumps(OK_CH)[:-1] + ', "response_format": {"type": "json_schema", "json_schema": '
+            '{"name": "x", "schema": {"const": NaN}}}}'
+        ),
+        400,
+        "not finite",
+    ),
+    (
+        "response-format-schema-huge-number",
+        CH,
+        raw(
+            json.dumps(OK_CH)[:-1] + ', "response_format": {"type": "json_schema", "json_schema": '
+            '{"name": "x", "schema": {"enum": [1e400]}}}}'
+        ),
+        400,
+        "not finite",
+    ),
+    (
+        "response-format-schema-admits-nothing",
+        CH,
+        ch(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#"}},
+            }
+        ),
+        400,
+        "admits no value",
+    ),
     ("request-chat-template-disabled", CH, ch(chat_template="{{ 1 }}"), 400, "disabled"),
     ("user-too-long", C, c(user="u" * 10_000), 400, "user"),
     ("deeply-nested-json", C, raw("[" * 100_000 + "]" * 100_000), 400, ""),
@@ -314,3 +347,20 @@ async def test_backpressure_429_with_retry_after():
         assert (await cl.post(C, json=c())).status_code == 200  # slots came back
         metrics = (await cl.get("/metrics")).text
     assert 'parrot_requests_rejected_total{reason="overloaded"} 1.0' in metrics
+
+
+def test_openapi_documents_the_error_answers_and_no_422():
+    """FastAPI documents a 422 the server never sends (validation errors are 400s); the
+    schema lists the statuses it does send, in the error shape it sends them."""
+    for auth in (False, True):
+        settings = ServerSettings(api_keys=KEYS) if auth else ServerSettings()
+        schema = create_app(FakeEngine(), settings=settings).openapi()
+        assert "HTTPValidationError" not in json.dumps(schema)
+        error = schema["components"]["schemas"]["ErrorResponse"]
+        assert error["properties"]["error"]["required"] == ["message", "type"]
+        for path, operations in schema["paths"].items():
+            for method, operation in operations.items():
+                codes = set(operation["responses"])
+                assert "422" not in codes, (path, method)
+                assert {"400", "404", "409", "413", "429"} <= codes, (path, method)
+                assert ("401" in codes) == auth, (path, method)

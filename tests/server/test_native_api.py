@@ -361,3 +361,21 @@ async def test_finished_runs_leave_memory_and_answer_from_the_store(tmp_path) ->
         ).status_code == 409
         assert (await c.post(f"/v1/runs/{rid}/cancel")).json()["status"] == "done"
         assert len(sse_events((await c.get(f"/v1/runs/{rid}/events")).text)) > 5
+
+
+async def test_inputs_set_later_are_in_the_detail_and_a_cancelled_run_is_not_open(
+    tmp_path,
+) -> None:
+    gate = asyncio.Event()
+    async with native_app(tmp_path, engine=ScriptedEngine(reply=echo, gate=gate)) as (c, rt):
+        rid = (await c.post("/v1/runs", json=run_body(*CHAIN, open=True))).json()["run_id"]
+        put = await c.put(f"/v1/runs/{rid}/variables/x", json={"value": "hey"})
+        assert put.status_code == 200
+        detail = (await c.get(f"/v1/runs/{rid}")).json()
+        assert detail["inputs"] == {"x": "hey"}  # given after the run was created
+        assert detail["run"]["open"] is True
+        cancelled = await c.post(f"/v1/runs/{rid}/cancel")
+        assert cancelled.json()["status"] == "cancelled"
+        assert cancelled.json()["open"] is False  # over: it takes no calls or inputs
+        assert (await c.get(f"/v1/runs/{rid}")).json()["run"]["open"] is False
+        gate.set()

@@ -118,6 +118,27 @@ CASES = [
         "",
     ),
     ("top-p-zero", "POST", "/v1/runs", gen(top_p=0.0), 400, "top_p"),
+    # grammars that compile but admit no value: the call failed at its first token
+    ("regex-admits-nothing", "POST", "/v1/runs", gen(regex="[^\\s\\S]"), 400, "admits no value"),
+    ("schema-refers-to-itself", "POST", "/v1/runs", gen(json_schema={"$ref": "#"}), 400, "admits"),
+    (
+        "schema-infinite-number",
+        "POST",
+        "/v1/runs",
+        b'{"program":{"calls":[{"template":"Q {{output:y}}",'
+        b'"outputs":{"y":{"json_schema":{"enum":[1e400]}}}}]}}',
+        400,
+        "not finite",
+    ),
+    # nothing for the model to continue: the call failed with EmptyPrompt when it ran
+    (
+        "nothing-before-first-output",
+        "POST",
+        "/v1/runs",
+        run_body({"template": "{{output:y}} and more"}),
+        400,
+        "nothing before {{output:y}}",
+    ),
     ("unknown-config-field", "POST", "/v1/runs", gen(beam=4), 400, "beam"),
     ("empty-stop-string", "POST", "/v1/runs", gen(stop=[""]), 400, "stop"),
     ("oversized-body", "POST", "/v1/runs", run_body(A, inputs={"x": "z" * 5000}), 413, "too large"),

@@ -445,7 +445,14 @@ class Manager:
         """Stop a run: its calls stop, their engine contexts are freed, and every pending
         `get` raises RunCancelled. Finished runs are left alone."""
         run = self._run(run_id)
-        if run.state != "running":
+        # after a client's change in progress (added calls, an input, a close): its events
+        # then all come before the run's end, and a second cancel answers after the first
+        async with run.mutex:
+            await self._cancel(run)
+
+    async def _cancel(self, run: Run) -> None:
+        run_id = run.run_id
+        if run.state != "running" or run.finishing:
             return
         run.state = "cancelled"  # no call of this run starts from here on
         for name in list(run.queued):

@@ -117,6 +117,7 @@ class Run:
     queued: dict[str, Any] = field(default_factory=dict)  # ready calls the dispatcher holds
     deduction: Deduction | None = None
     state: RunPhase = "running"
+    finishing: bool = False  # its run_finished is being recorded (`maybe_finish`)
     _lock: asyncio.Lock | None = field(default=None, init=False, repr=False)
     _mutex: asyncio.Lock | None = field(default=None, init=False, repr=False)
     # values waiting to be told to the listeners together (`RunTransitions.set_value`)

@@ -157,7 +157,11 @@ class RunTransitions:
         if not run.can_finish():
             return
         status = "failed" if any(c.state == "failed" for c in run.calls.values()) else "finished"
-        await self.emit(run, "run_finished", {"status": status})
+        run.finishing = True  # a cancel meanwhile would record a second end
+        try:
+            await self.emit(run, "run_finished", {"status": status})
+        finally:
+            run.finishing = False
         run.state = status
         run.log.close()
 

@@ -60,7 +60,7 @@ def summary(run: RunRecord) -> RunSummary:
     return RunSummary(
         run_id=run.id,
         status=run.status,
-        open=run.open and run.status == "running",  # a run that is over takes nothing more
+        open=run.open and run.status in ("pending", "running"),  # an ended run takes nothing
         outputs=dict(run.objectives),
         created_at=run.created_at,
         finished_at=run.finished_at,

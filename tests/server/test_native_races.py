@@ -137,3 +137,56 @@ async def test_calls_inputs_and_a_close_that_cannot_close_change_nothing(
         assert [e["event"] for e in events].count("calls_added") == 1
         detail = (await c.get(f"/v1/runs/{rid}")).json()
         assert detail["run"]["status"] == "done"
+
+
+async def test_a_cancel_racing_calls_inputs_and_a_close_ends_the_log(tmp_path) -> None:
+    """Nothing is recorded after run_finished: the calls' request either took effect
+    before the cancel (200, its events first) or finds the run cancelled (409)."""
+    async with native_app(tmp_path) as (c, rt):
+        outcomes = set()
+        for i in range(8):
+            body = run_body(
+                {"name": "w", "template": "Echo {{input:y}} {{output:oy}}"},
+                {"name": "g", "template": "Tell {{input:x}} {{output:og}}"},
+                inputs={"x": "dogs"},
+                open=True,
+            )
+            rid = (await c.post("/v1/runs", json=body)).json()["run_id"]
+            more = {
+                "calls": [{"name": "a", "template": "More {{input:y}} {{output:oa}}"}],
+                "inputs": {"y": "v"},
+                "close": True,
+            }
+            calls = c.post(f"/v1/runs/{rid}/calls", json=more)
+            cancel = c.post(f"/v1/runs/{rid}/cancel")
+            if i % 2:  # either request first
+                added, cancelled = await asyncio.gather(calls, cancel)
+            else:
+                cancelled, added = await asyncio.gather(cancel, calls)
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+            assert cancelled.json()["open"] is False
+            assert added.status_code in (200, 409), added.text
+            outcomes.add(added.status_code)
+            events = await _log(c, rid)
+            assert [e["event"] for e in events].count("run_finished") == 1
+            last = int(events[-1]["id"])
+            later = sse_events((await c.get(f"/v1/runs/{rid}/events", params={"after": last})).text)
+            assert later == [], later  # nothing after the end
+            detail = (await c.get(f"/v1/runs/{rid}")).json()
+            assert detail["run"]["status"] == "cancelled"
+            ready_y = detail["variables"].get("y", {}).get("status") == "ready"
+            assert ready_y == (added.status_code == 200)
+        assert outcomes
+
+
+async def test_two_cancels_at_once_both_answer_cancelled(tmp_path) -> None:
+    async with native_app(tmp_path) as (c, rt):
+        for _ in range(6):
+            body = run_body({"name": "g", "template": "Tell {{input:x}} {{output:og}}"}, open=True)
+            rid = (await c.post("/v1/runs", json=body)).json()["run_id"]
+            pending = (await c.get(f"/v1/runs/{rid}")).json()["run"]
+            assert pending["open"] is True  # not started, still takes inputs and calls
+            answers = await asyncio.gather(*(c.post(f"/v1/runs/{rid}/cancel") for _ in range(2)))
+            for r in answers:
+                assert r.status_code == 200
+                assert r.json()["status"] == "cancelled" and r.json()["open"] is False

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -62,7 +63,23 @@ class RegisterRequest(BaseModel):
     def _http_url(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise ValueError("url must start with http:// or https://")
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"url is not a valid URL: {exc}") from None
+        if not parsed.host:
+            raise ValueError("url has no host")
+        if parsed.port is not None and not 0 < parsed.port < 65536:
+            raise ValueError(f"url's port {parsed.port} is not a TCP port (1-65535)")
         return url.rstrip("/")
+
+    @field_validator("api_key")
+    @classmethod
+    def _header_safe(cls, key: str) -> str:
+        # it is sent as a header: printable ASCII only (an "é" failed the connect with a 500)
+        if not (key.isascii() and key.isprintable()):
+            raise ValueError("api_key must be printable ASCII (it is sent in a header)")
+        return key
 
 
 class RegisterResponse(BaseModel):
@@ -175,7 +192,8 @@ class EngineRegistry:
             )
         try:
             client = await self._connect(req.url, api_key=req.api_key)
-        except EngineError as exc:
+        except (EngineError, httpx.HTTPError, ValueError, OverflowError) as exc:
+            # (httpx and the socket layer raise the last three for URLs and keys they refuse)
             raise HTTPException(400, f"cannot use the engine at {req.url}: {exc}") from exc
         if client.model_name != req.model_name:
             await client.aclose()

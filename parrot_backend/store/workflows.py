@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from parrot_backend.store.base import StoreBase, workflow_record
 from parrot_backend.store.columns import utcnow
 from parrot_backend.store.errors import NotFoundError, StoreError
-from parrot_backend.store.models import Workflow
+from parrot_backend.store.models import Tenant, Workflow
 from parrot_backend.store.records import WorkflowRecord
 
 _RETRIES = 5
@@ -27,6 +27,11 @@ class WorkflowsMixin(StoreBase):
         for _ in range(_RETRIES):
             try:
                 with self._write() as s:
+                    # one registration of this tenant's workflows at a time: concurrent
+                    # ones each read the same latest version and all but one collided
+                    # (PostgreSQL: 8 of 40 at once ran out of retries). SQLite writes one
+                    # transaction at a time already and ignores the row lock.
+                    s.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
                     latest = s.scalar(
                         select(func.max(Workflow.version)).where(
                             Workflow.tenant_id == tenant_id, Workflow.name == name

@@ -186,6 +186,12 @@ async def test_registry_routes_need_the_operator_key_and_valid_bodies(tiny_model
             {**body, "api_key": ""},
             {**body, "extra": 1},
             {"engine_id": "e1"},
+            # refused by httpx or the socket layer at connect time: were 500s
+            {**body, "url": "http://[::1"},
+            {**body, "url": "http://127.0.0.1:99999"},
+            {**body, "url": "http://:80"},
+            {**body, "api_key": "é"},
+            {**body, "api_key": "a\nb"},
         ]
         for payload in bad:
             r = await http.post("/v1/engines/register", json=payload, headers=OP)

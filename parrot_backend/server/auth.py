@@ -192,6 +192,12 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        if len(request.headers.getlist("authorization")) > 1:
+            # which one counts would be up to each proxy on the way: none does
+            if self.on_reject is not None:
+                self.on_reject("auth")
+            await _send_401(scope, send, False, "more than one Authorization header: send one")
+            return
         header = request.headers.get("authorization")
         tenant = await self.authenticator.tenant_for(bearer_key(header))
         if tenant is None and header is None and scope.get("method") == "GET":

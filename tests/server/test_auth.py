@@ -49,6 +49,21 @@ async def test_every_route_but_open_ones_requires_a_key(app):
             assert (await anon.get(path)).status_code == 200, path
 
 
+async def test_two_authorization_headers_are_refused_even_if_one_is_valid(app):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as anon:
+        for pair in (
+            [("authorization", f"Bearer {API_KEY}"), ("authorization", "Bearer wrong")],
+            [("authorization", "Bearer wrong"), ("authorization", f"Bearer {API_KEY}")],
+            [("authorization", f"Bearer {API_KEY}"), ("authorization", f"Bearer {API_KEY}")],
+        ):
+            r = await anon.get("/v1/models", headers=httpx.Headers(pair))
+            assert r.status_code == 401, r.text
+            assert "more than one Authorization header" in r.json()["error"]["message"]
+        ok = await anon.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200
+
+
 async def test_valid_key_passes_and_bad_body_is_401_before_400(client, app):
     assert (await client.get("/metrics")).status_code == 200
     transport = httpx.ASGITransport(app=app)

@@ -14,6 +14,7 @@ import email.utils
 import json
 import math
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -152,6 +153,51 @@ def _transport_error(exc: httpx.HTTPError, endpoint: Endpoint, url: str) -> Parr
 
 
 _DONE = object()
+_EOL = re.compile("\r\n|\r|\n")
+
+
+class SSELines:
+    """Splits a stream's text into SSE lines, ended by CRLF, LF or CR only: unlike
+    httpx's `iter_lines` (Python's `splitlines`), never at U+2028, U+0085 or another
+    Unicode separator, which the server sends raw inside JSON strings."""
+
+    def __init__(self) -> None:
+        self._rest = ""
+        self._after_cr = False  # the last piece ended with CR: a LF next belongs to it
+
+    def feed(self, text: str) -> list[str]:
+        """The lines `text` completes."""
+        if self._after_cr and text.startswith("\n"):
+            text = text[1:]
+        if not text:
+            return []
+        self._after_cr = text.endswith("\r")
+        lines = _EOL.split(self._rest + text)
+        self._rest = lines.pop()
+        return lines
+
+    def end(self) -> list[str]:
+        """The last line, if the stream did not end it."""
+        rest, self._rest = self._rest, ""
+        return [rest] if rest else []
+
+
+def iter_sse_lines(response: httpx.Response) -> Iterator[str]:
+    """The SSE lines of a streamed response."""
+    lines = SSELines()
+    for text in response.iter_text():
+        yield from lines.feed(text)
+    yield from lines.end()
+
+
+async def aiter_sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The SSE lines of a streamed response (async)."""
+    lines = SSELines()
+    async for text in response.aiter_text():
+        for line in lines.feed(text):
+            yield line
+    for line in lines.end():
+        yield line
 
 
 def _decode_line(line: str) -> object:
@@ -200,7 +246,7 @@ class SyncTransport:
         url = self.endpoint.url(path)
         response = self._send(path, payload, stream=True)
         try:
-            for line in response.iter_lines():
+            for line in iter_sse_lines(response):
                 item = _decode_line(line)
                 if item is _DONE:
                     return
@@ -264,7 +310,7 @@ class AsyncTransport:
         url = self.endpoint.url(path)
         response = await self._send(path, payload, stream=True)
         try:
-            async for line in response.aiter_lines():
+            async for line in aiter_sse_lines(response):
                 item = _decode_line(line)
                 if item is _DONE:
                     return

@@ -166,3 +166,20 @@ def test_no_server_is_a_connection_error() -> None:
     model = ParrotLLM(base_url="http://127.0.0.1:9", max_retries=0)
     with pytest.raises(ParrotConnectionError, match="127.0.0.1:9"):
         model.invoke("Hi")
+
+
+def test_a_sampled_stream_joins_to_the_invoke_even_with_unicode_line_separators(
+    parrot_server: ParrotServer,
+) -> None:
+    # with this seed SmolLM2 writes U+2028 as its second token (on the CPU this was found
+    # on): the server sends it raw in the SSE JSON, where httpx's iter_lines broke the line
+    sampled = ParrotLLM(
+        base_url=parrot_server.url,
+        api_key=parrot_server.api_key,
+        temperature=1.0,
+        seed=7,
+        max_tokens=8,
+        timeout=120,
+    )
+    prompt = "Write a word about sky:"
+    assert "".join(sampled.stream(prompt)) == sampled.invoke(prompt)

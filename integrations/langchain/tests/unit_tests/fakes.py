@@ -50,7 +50,7 @@ def sse(*payloads: Any, done: bool = True) -> bytes:
     """An SSE body of `data:` frames (dicts as JSON, strings as they are) and `[DONE]`."""
     frames = [": ping\n\n"]
     for p in payloads:
-        frames.append(f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n")
+        frames.append(f"data: {p if isinstance(p, str) else json.dumps(p, ensure_ascii=False)}\n\n")
     if done:
         frames.append("data: [DONE]\n\n")
     return "".join(frames).encode()

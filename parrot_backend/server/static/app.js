@@ -94,11 +94,11 @@ $("#auth").addEventListener("submit", async (event) => {
   event.preventDefault();
   api.setKey($("#api-key").value.trim());
   $("#api-key").value = "";
-  await probe();
+  if (await probe()) openFromHash();  // a link to a run, opened before the key was given
 });
 
 $("#forget-key").addEventListener("click", () => {
-  if (stream) stream.close();
+  closeRun();  // what is shown belongs to the key's tenant: leave nothing of it on screen
   api.setKey(null);
   $("#history").replaceChildren();
   probe();
@@ -164,11 +164,12 @@ $("#max-tokens").addEventListener("change", parseForm);
 function runSpec() {
   const parsed = parseForm();
   if (!parsed) return null;
-  const inputs = {};
+  // no inherited keys: a variable may be named "__proto__" or "constructor"
+  const inputs = Object.create(null);
   for (const area of $("#inputs").querySelectorAll("textarea")) inputs[area.name] = area.value;
   let outputs = pasted.outputs;
   if (!outputs || !Object.keys(outputs).length) {
-    outputs = {};
+    outputs = Object.create(null);
     for (const name of programVariables(parsed.program).finals) {
       outputs[name] = $("#objective").value;
     }
@@ -221,6 +222,7 @@ async function refreshDetail() {
     if (detail.run.error) showError("#run-error", { message: detail.run.error });
   } catch (err) {
     if (err.status !== 0) showError("#run-error", err);  // offline: the next one will do
+    if (err.status === 404 && view.runId === runId) setRunStatus("");  // no such run
   }
 }
 
@@ -230,6 +232,21 @@ function scheduleDetail(soon) {
   detailTimer = setTimeout(refreshDetail, soon ? 0 : DETAIL_EVERY_MS);
 }
 
+// No run on screen (the page as first loaded).
+function closeRun() {
+  if (stream) stream.close("ended");
+  stream = null;
+  clearTimeout(detailTimer);
+  detailTimer = 0;
+  showError("#run-error", null);
+  view.reset(null);
+  $("#run-id").textContent = "–";
+  $("#stream-state").textContent = "";
+  $("#stream-state").dataset.state = "";
+  $("#stream-stats").textContent = "";
+  setRunStatus("");
+}
+
 function openRun(runId) {
   if (stream) stream.close("ended");
   clearTimeout(detailTimer);
@@ -237,7 +254,7 @@ function openRun(runId) {
   showError("#run-error", null);
   view.reset(runId);
   $("#run-id").textContent = runId;
-  history.replaceState(null, "", `#run=${runId}`);
+  if (location.hash !== `#run=${runId}`) history.replaceState(null, "", `#run=${runId}`);
   setRunStatus("pending");
   const current = new RunStream(api, runId, {
     onEvent(type, data) {
@@ -256,7 +273,7 @@ function openRun(runId) {
       if (stream !== current) return;
       $("#stream-state").textContent = `stream: ${state}`;
       $("#stream-state").dataset.state = state;
-      if (state === "error") showError("#run-error", { message: detail });
+      if (state === "error" && detail) showError("#run-error", { message: detail });
       if (state === "live") watchFrames(true);
       if (state === "finished" || state === "ended" || state === "error") {
         watchFrames(false);
@@ -382,9 +399,34 @@ window.parrotUI = {
   statsTimer,
 };
 
+// A link to a run: `#run=<id>`, opened at load, once a key is accepted, and whenever
+// the address's hash changes (an edited or pasted link, back and forward).
+function openFromHash() {
+  const hash = location.hash;
+  if (!hash.startsWith("#run=")) return;
+  let id = hash.slice(5);
+  try {
+    id = decodeURIComponent(id);
+  } catch {
+    // shown as it is
+  }
+  if (!/^[0-9a-f]{32}$/.test(id)) {
+    closeRun();
+    showError("#run-error", { message: `not a run id: ${JSON.stringify(id)} (a run id ` +
+                                       "is 32 lowercase hex digits)" });
+    return;
+  }
+  if (view.runId !== id) openRun(id);
+}
+
+window.addEventListener("hashchange", () => {
+  if (document.body.dataset.auth === "off" || document.body.dataset.auth === "accepted") {
+    openFromHash();
+  }
+});
+
 fillExamples();
 probe().then((ok) => {
-  const match = /^#run=([0-9a-f]{32})$/.exec(location.hash);
-  if (ok && match) openRun(match[1]);
+  if (ok) openFromHash();
 });
 document.body.dataset.ready = "true";

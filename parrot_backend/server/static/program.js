@@ -76,6 +76,9 @@ export function parseProgramText(text, maxTokens) {
     try {
       value = JSON.parse(trimmed);
     } catch (err) {
+      // not JSON, but a template that starts with a placeholder or a bracket
+      PLACEHOLDER.lastIndex = 0;
+      if (PLACEHOLDER.test(trimmed)) return parseTemplates(trimmed, maxTokens);
       throw new Error(`not valid JSON: ${err.message}`);
     }
     if (Array.isArray(value)) return { program: { calls: value } };
@@ -86,9 +89,14 @@ export function parseProgramText(text, maxTokens) {
     throw new Error('JSON must be a run {"program": ...}, a program {"calls": [...]} ' +
                     "or a list of calls");
   }
+  return parseTemplates(trimmed, maxTokens);
+}
+
+// Plain templates, one call per block between lines of `---`.
+function parseTemplates(trimmed, maxTokens) {
   const blocks = trimmed.split(/^\s*---\s*$/m).map((b) => b.trim()).filter(Boolean);
   const calls = blocks.map((template, i) => {
-    const outputs = {};
+    const outputs = Object.create(null);  // a variable may be named "__proto__"
     for (const s of parseTemplate(template)) {
       if (s.output) outputs[s.output] = { max_tokens: maxTokens };
     }
@@ -127,7 +135,7 @@ export function sharedPrefixes(calls) {
   }
   const ids = new Map();
   const prefixes = [];
-  const byCall = {};
+  const byCall = Object.create(null);  // no inherited keys: a call may be named "constructor"
   for (const call of calls) {
     const shared = keysOf.get(call.name).filter((k) => counts.get(k) >= 2);
     if (!shared.length) continue;

@@ -100,8 +100,14 @@ export class RunStream {
           return;
         }
         this.emptyBefore = true;
-      } catch {
-        // unreachable now: keep retrying below
+      } catch (err) {
+        // no such run (or not this key's): retrying would never end; say so and stop
+        if (err.status === 401 || err.status === 404) {
+          this.close("error");
+          this.onState("error", err.message);
+          return;
+        }
+        // otherwise unreachable now: keep retrying below
       }
     } else {
       this.emptyBefore = false;

@@ -148,6 +148,14 @@ export class RunView {
         break;
       case "call_failed":
         this.dag.setCall(data.call, { state: "failed", error: data.error });
+        // its outputs failed with it (the log may carry no variable_failed for them)
+        for (const call of this.calls) {
+          if (call.name !== data.call) continue;
+          for (const out of call.outputs) {
+            const v = this._variable(out);
+            if (v.status === "pending") this._setValue(out, "", "failed", data.error);
+          }
+        }
         break;
       case "run_resumed":
         for (const [name, node] of this.dag.nodes) {
@@ -157,9 +165,25 @@ export class RunView {
       case "run_finished":
         this.status = RUN_STATUS[data.status] || data.status;
         this.flush();
+        this._unfinished();
         break;
       default:
         break;
+    }
+  }
+
+  // A run that is over leaves no variable pending: those it never produced (a cancelled
+  // run's) say so, keeping what streamed of them, instead of "streaming" or "pending".
+  _unfinished() {
+    if (!TERMINAL.has(this.status)) return;
+    const why = this.status === "cancelled" ? "cancelled" : "not produced";
+    for (const [name, v] of this.vars) {
+      if (v.status !== "pending") continue;
+      this._flushOne(name);
+      v.status = why;
+      v.badge.className = `badge status-${this.status === "cancelled" ? "cancelled" : "none"}`;
+      v.badge.textContent = why;
+      v.card.dataset.status = why;
     }
   }
 

@@ -290,3 +290,38 @@ def test_a_failed_call_shows_as_failed_from_the_stream_alone(page, app):
     assert y["shown"].startswith("failed: EngineError: scripted failure")
     assert "input 'y' failed" in z["shown"]
     page.console_errors[:] = [e for e in page.console_errors if "503" not in e]
+
+
+def test_a_finished_run_opened_again_never_shows_as_running(page, app):
+    """The run's detail (done) lands before its log's first event (run_created): the
+    badge stays done and Cancel stays off while the log streams again."""
+    app.engine.reply = reply_for(length=300)
+    spec = {
+        "program": {"calls": [chat_call("a", "Hi {{input:w}}", "x", 300)]},
+        "inputs": {"w": "k"},
+    }
+    run_id = _run_api(app, spec)
+    r = httpx.get(f"{app.url}/v1/runs/{run_id}/variables/x?timeout=30", timeout=40)
+    assert r.json()["status"] == "ready"
+
+    def late_events(route):
+        time.sleep(1.0)  # the detail's answer reaches the page meanwhile
+        route.continue_()
+
+    page.route("**/events*", late_events)
+    open_page(page, app.url)
+    page.evaluate(
+        """() => {
+          window.__badges = [];
+          const badge = document.querySelector('#run-status');
+          new MutationObserver(() => window.__badges.push(
+            [badge.dataset.status, document.querySelector('#cancel').disabled]
+          )).observe(badge, {attributes: true, childList: true});
+        }"""
+    )
+    page.evaluate(f"() => parrotUI.openRun('{run_id}')")
+    snap = wait_finished(page)
+    assert snap["variables"]["x"]["tokens"] > 0
+    seen = page.evaluate("() => window.__badges")
+    first_done = next(i for i, (status, _) in enumerate(seen) if status == "done")
+    assert all(status == "done" and cancel_off for status, cancel_off in seen[first_done:]), seen

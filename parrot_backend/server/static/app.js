@@ -193,12 +193,14 @@ $("#run").addEventListener("click", async () => {
 
 // ---------------------------------------------------------------- one run
 
+const OVER = ["done", "failed", "cancelled"];
+
 function setRunStatus(status) {
   const badge = $("#run-status");
   badge.textContent = status || "no run";
   badge.dataset.status = status || "";
   badge.className = `badge status-${status || "none"}`;
-  const over = ["done", "failed", "cancelled"].includes(status);
+  const over = OVER.includes(status);
   $("#cancel").disabled = !status || over;
   $("#replay").disabled = !status;
 }
@@ -259,7 +261,10 @@ function openRun(runId) {
   const current = new RunStream(api, runId, {
     onEvent(type, data) {
       view.apply(type, data);
-      if (type === "run_created") setRunStatus("running");
+      // a stored run's log starts with run_created too: its detail may have said it is over
+      if (type === "run_created" && !OVER.includes($("#run-status").dataset.status)) {
+        setRunStatus("running");
+      }
       if (type === "call_started" || type === "call_finished" || type === "call_failed") {
         scheduleDetail(false);
       }

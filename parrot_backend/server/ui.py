@@ -50,7 +50,7 @@ async def root() -> RedirectResponse:
     return RedirectResponse("/ui", status_code=307)
 
 
-@router.get("/ui", include_in_schema=False)
+@router.api_route("/ui", methods=["GET", "HEAD"], include_in_schema=False)
 async def page() -> FileResponse:
     """The page itself (its scripts and styles are under /ui/static/)."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=_PAGE_HEADERS)
@@ -84,6 +84,20 @@ async def events_grant(
     return response
 
 
+# The page's files: revalidated on every load (a 304 when unchanged), never taken from a
+# browser's heuristic cache: the page and its ES modules must come from one version, or a
+# cached module of an older version breaks the page after an upgrade.
+_STATIC_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+
+
+class _PageFiles(StaticFiles):
+    async def get_response(self, path: str, scope) -> Response:
+        response = await super().get_response(path, scope)
+        for name, value in _STATIC_HEADERS.items():
+            response.headers.setdefault(name, value)
+        return response
+
+
 def mount_static(app) -> None:
     """Serve the page's files under /ui/static/ (open paths: they hold no data)."""
-    app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
+    app.mount("/ui/static", _PageFiles(directory=STATIC_DIR), name="ui-static")

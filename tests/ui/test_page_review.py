@@ -325,3 +325,21 @@ def test_a_finished_run_opened_again_never_shows_as_running(page, app):
     seen = page.evaluate("() => window.__badges")
     first_done = next(i for i, (status, _) in enumerate(seen) if status == "done")
     assert all(status == "done" and cancel_off for status, cancel_off in seen[first_done:]), seen
+
+
+def test_page_files_are_revalidated_and_the_page_answers_head(app):
+    """The page's modules are never taken from a heuristic cache (one version of the page
+    and its modules after an upgrade), are not sniffed, and answer 304 when unchanged."""
+    for name in ("app.js", "view.js", "style.css"):
+        r = httpx.get(f"{app.url}/ui/static/{name}", timeout=10)
+        assert r.status_code == 200
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["x-content-type-options"] == "nosniff"
+        again = httpx.get(
+            f"{app.url}/ui/static/{name}", headers={"If-None-Match": r.headers["etag"]}
+        )
+        assert again.status_code == 304 and again.headers["cache-control"] == "no-cache"
+    head = httpx.head(f"{app.url}/ui", timeout=10)
+    assert (
+        head.status_code == 200 and "script-src 'self'" in head.headers["content-security-policy"]
+    )

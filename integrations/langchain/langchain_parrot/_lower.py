@@ -51,6 +51,7 @@ from langchain_core.runnables import (
     RunnableSequence,
 )
 from langchain_core.runnables.base import RunnableEach
+from langchain_core.runnables.configurable import DynamicRunnable
 from langchain_core.runnables.passthrough import RunnableAssign
 
 from .chat_models import ChatParrot
@@ -233,6 +234,8 @@ def may_call(step: Any) -> bool:
         return may_call(step.mapper)
     if isinstance(step, RunnableEach):
         return may_call(step.bound)
+    if isinstance(step, DynamicRunnable):
+        return may_call(step.default)
     return False
 
 
@@ -317,6 +320,9 @@ class Lowering:
         model = model_of(step)
         if model is not None:
             return self._call(model, value)
+        if isinstance(step, DynamicRunnable):  # configurable fields or alternatives
+            bound, bound_config = step.prepare(config)
+            return await self._lower(bound, value, later, bound_config)
         if isinstance(step, RunnableBinding):
             if step.kwargs:
                 raise ClientStep

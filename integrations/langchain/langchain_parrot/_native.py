@@ -18,7 +18,13 @@ from typing import Any
 
 import httpx
 
-from ._http import Endpoint, _transport_error, error_from_response, retry_delay
+from ._http import (
+    Endpoint,
+    _transport_error,
+    aiter_sse_lines,
+    error_from_response,
+    retry_delay,
+)
 from .errors import ParrotError, ParrotResponseError
 
 RETRY = frozenset({429, 502, 503, 504})
@@ -50,6 +56,8 @@ class RunSession:
         self.requests = 0  # HTTP requests sent (tests and plan() count them)
         self.closed = False
         self._referenced: set[str] = set()  # inputs the calls sent or gathered read
+        self._outputs_of: dict[str, list[str]] = {}  # call -> the variables it generates
+        self.failed: dict[str, RunFailed] = {}  # variables that will never get a value
         self._waiters: dict[str, list[asyncio.Future[str]]] = {}
         self._stream: asyncio.Task[None] | None = None
         self._ended: BaseException | None = None
@@ -62,6 +70,7 @@ class RunSession:
 
     def add_call(self, call: dict[str, Any]) -> None:
         self.calls.append(call)
+        self._outputs_of[call["name"]] = list(call.get("outputs", ()))
         texts = [call.get("template") or ""] + [m["content"] for m in call.get("messages", ())]
         for text in texts:
             for m in _INPUT.finditer(text):
@@ -139,6 +148,8 @@ class RunSession:
         """The value of a variable, once the server committed it."""
         if name in self.values:
             return self.values[name]
+        if name in self.failed:
+            raise self.failed[name]
         if self._ended is not None:
             raise self._ended
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -149,10 +160,10 @@ class RunSession:
         """Dispatch the run's events until `run_finished` (or the stream breaks)."""
         kind, data = "message", []
         try:
-            async for line in response.aiter_lines():
+            async for line in aiter_sse_lines(response):
                 if line == "":
                     if data:
-                        await self._event(kind, json.loads("\n".join(data)))
+                        await self._event(kind, _payload(kind, "\n".join(data)))
                     kind, data = "message", []
                 elif line.startswith("event:"):
                     kind = line[6:].strip()
@@ -176,10 +187,16 @@ class RunSession:
                 if not fut.done():
                     fut.set_result(value)
         elif kind == "variable_failed":
-            error = RunFailed(f"variable {payload['name']!r} failed: {payload.get('error')}")
-            for fut in self._waiters.pop(payload["name"], []):
-                if not fut.done():
-                    fut.set_exception(error)
+            self._fail(
+                payload["name"],
+                RunFailed(f"variable {payload['name']!r} failed: {payload.get('error')}"),
+            )
+        elif kind == "call_failed":
+            # the server's reason, for each output of the call (its stream does not always
+            # carry a `variable_failed` for them)
+            call = payload.get("call")
+            for name in self._outputs_of.get(call, ()):
+                self._fail(name, RunFailed(f"call {call!r} failed: {payload.get('error')}"))
         if self.on_event is not None:
             done = self.on_event(kind, payload)
             if done is not None:
@@ -187,6 +204,14 @@ class RunSession:
         if kind == "run_finished":
             status = payload.get("status")
             self._end(RunFailed(f"run {self.run_id} ended ({status}) before the value came"))
+
+    def _fail(self, name: str, error: RunFailed) -> None:
+        if name in self.values or name in self.failed:
+            return
+        self.failed[name] = error
+        for fut in self._waiters.pop(name, []):
+            if not fut.done():
+                fut.set_exception(error)
 
     def _end(self, error: BaseException) -> None:
         if self._ended is None:
@@ -215,3 +240,14 @@ class RunSession:
                 )
             except httpx.HTTPError:
                 pass  # the server may be gone: nothing more to stop
+
+
+def _payload(kind: str, data: str) -> dict[str, Any]:
+    """An event's JSON payload; a `ParrotResponseError` when it is not a JSON object."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        raise ParrotResponseError(f"a {kind!r} event is not a JSON object: {data[:200]!r}")
+    return payload

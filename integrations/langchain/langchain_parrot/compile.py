@@ -35,10 +35,11 @@ import httpx
 from langchain_core.callbacks import AsyncCallbackManager, CallbackManager
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.outputs import ChatGeneration, Generation, LLMResult
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables import Runnable, RunnableBinding, RunnableConfig
 from langchain_core.runnables.base import coerce_to_runnable
 from langchain_core.runnables.config import patch_config
 
+from ._http import _transport_error, error_from_response
 from ._lower import (
     AIMsg,
     ClientStep,
@@ -53,7 +54,7 @@ from ._lower import (
 )
 from ._native import RunSession
 from .chat_models import ChatParrot
-from .errors import ParrotError
+from .errors import ParrotBadRequestError, ParrotError
 
 _CONFIG_KEYS = frozenset(
     {
@@ -67,7 +68,8 @@ _CONFIG_KEYS = frozenset(
         "presence_penalty",
     }
 )
-_CONTEXT: dict[str, int | None] = {}  # base URL -> the served model's context length
+# base URL -> served model id -> its context length (None: the server lists no models)
+_SERVED: dict[str, dict[str, int | None] | None] = {}
 
 
 class Scheduler:
@@ -193,21 +195,32 @@ class Tracer:
     def _meta(self, call: str, payload: dict[str, Any]) -> dict[str, Any]:
         model = self.lowering.models[call].model
         reasons = payload.get("finish_reasons") or {}
-        meta: dict[str, Any] = {
-            "response_metadata": {
-                "model_name": model.model,
-                "finish_reason": next(iter(reasons.values()), None),
-            }
-        }
+        # the fields ChatParrot's own answer has (its id aside: no request made it)
+        response: dict[str, Any] = {"model_name": model.model}
+        meta: dict[str, Any] = {"response_metadata": response}
         prompt, completion = payload.get("prompt_tokens"), payload.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
+            response["token_usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
             meta["usage_metadata"] = {
                 "input_tokens": prompt,
                 "output_tokens": completion,
                 "total_tokens": prompt + completion,
             }
+        response["finish_reason"] = next(iter(reasons.values()), None)
+        response["model_provider"] = "parrot"
         self.lowering.meta[call] = meta
         return meta
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """The output of a batch input that failed (`return_exceptions=True`)."""
+
+    error: Exception
 
 
 @dataclass
@@ -229,9 +242,12 @@ class CompiledChain(Runnable[Any, Any]):
             raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
         self.chain = coerce_to_runnable(chain)  # a dict literal is a RunnableParallel
         self.objective = objective
-        self.models = _models(self.chain)
-        if not self.models:
+        found = _models(self.chain)
+        if not found:
             raise ValueError("the chain has no ChatParrot or ParrotLLM step to compile")
+        # models that only ever run on the client (under fallbacks, retries, branches)
+        # make requests of their own: the run goes to the server of the others
+        self.models = [m for m, server in found if server] or [m for m, _ in found]
         endpoints = {m.model._endpoint.url("") for m in self.models}
         if len(endpoints) != 1:
             raise ValueError(
@@ -265,7 +281,8 @@ class CompiledChain(Runnable[Any, Any]):
             for i, st in enumerate(steps)
             if st.get("round_trip") and any(x["where"] == "server" for x in steps[i + 1 :])
         )
-        return {"steps": steps, "round_trips": trips, "requests": 1 + follow}
+        server = any(st["where"] == "server" for st in steps)  # else it all runs here
+        return {"steps": steps, "round_trips": trips, "requests": 1 + follow if server else 0}
 
     # ------------------------------------------------------------------ running
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
@@ -308,7 +325,9 @@ class CompiledChain(Runnable[Any, Any]):
         one = config[0] if isinstance(config, list) else config
         try:
             return await self._acall_with_config(
-                lambda xs, run_manager, config: self._arun(xs, config, run_manager),
+                lambda xs, run_manager, config: self._abatch_run(
+                    xs, config, run_manager, return_exceptions
+                ),
                 list(inputs),
                 one,
                 run_type="chain",
@@ -317,6 +336,29 @@ class CompiledChain(Runnable[Any, Any]):
             if return_exceptions:
                 return [exc] * len(inputs)
             raise
+
+    async def _abatch_run(
+        self, inputs: list[Any], config: RunnableConfig, run_manager: Any, return_exceptions: bool
+    ) -> list[Any]:
+        try:
+            return await self._arun(
+                inputs, config, run_manager, return_exceptions=return_exceptions
+            )
+        except ParrotBadRequestError:
+            if not return_exceptions or len(inputs) < 2:
+                raise
+
+        # The server refused the run as a whole for one input's sake (a prompt longer than
+        # the context): one run per input, so that only that input fails, as in the plain
+        # chain's batch. Client steps that ran before the refusal run again.
+        async def alone(x: Any) -> Any:
+            try:
+                [out] = await self._arun([x], config, run_manager, return_exceptions=True)
+            except Exception as exc:
+                return exc
+            return out
+
+        return list(await asyncio.gather(*(alone(x) for x in inputs)))
 
     def stream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
@@ -370,6 +412,17 @@ class CompiledChain(Runnable[Any, Any]):
                 raise holder["error"]
             if not streamed:
                 yield holder["out"][0]
+            elif final["chat"]:
+                # as ChatParrot's stream ends: finish reason, model and usage, once
+                message = holder["out"][0]
+                yield AIMessageChunk(
+                    content="",
+                    response_metadata={
+                        k: v for k, v in message.response_metadata.items() if k != "token_usage"
+                    },
+                    usage_metadata=message.usage_metadata,
+                    chunk_position="last",
+                )
         finally:
             if not task.done():
                 task.cancel()
@@ -382,18 +435,24 @@ class CompiledChain(Runnable[Any, Any]):
         config: RunnableConfig,
         run_manager: Any,
         events: asyncio.Queue | None = None,
+        return_exceptions: bool = False,
     ) -> list[Any]:
+        """The outputs of `inputs`, run together; with `return_exceptions`, an input that
+        fails (on the client or on the server) gives its exception and the others go on."""
         async with httpx.AsyncClient() as client:
             run = self._start(client, run_manager)
             if events is not None:
                 run.tracer.listeners.append(events)
             child = patch_config(config, callbacks=run_manager.get_child())
             try:
-                outputs = await self._walk(run, inputs, child)
+                outputs = await self._walk(run, inputs, child, return_exceptions)
                 if events is not None:
                     events.put_nowait(("final", _final_call(outputs[0])))
-                values = await self._values(run, outputs)
-                return [concrete(o, values, run.lowering.meta) for o in outputs]
+                values = await self._values(run, outputs, return_exceptions)
+                return [
+                    o.error if isinstance(o, _Failed) else concrete(o, values, run.lowering.meta)
+                    for o in outputs
+                ]
             except BaseException:
                 await run.session.abort()
                 raise
@@ -409,44 +468,91 @@ class CompiledChain(Runnable[Any, Any]):
         session.on_event = tracer.on_event
         return _Run(session, lowering, scheduler, tracer)
 
-    async def _walk(self, run: _Run, inputs: list[Any], config: RunnableConfig) -> list[Any]:
-        await self._context()
+    async def _walk(
+        self, run: _Run, inputs: list[Any], config: RunnableConfig, return_exceptions: bool
+    ) -> list[Any]:
+        await self._server_info()
         low, sched = run.lowering, run.scheduler
-        sched.active = len(inputs)
-        walkers = [sched.walker(low.walk(self.chain, low.symbolize(x), (), config)) for x in inputs]
-        return await gather_all(walkers)
 
-    async def _values(self, run: _Run, outputs: list[Any]) -> dict[str, str]:
+        async def one(x: Any) -> Any:
+            try:
+                return await low.walk(self.chain, low.symbolize(x), (), config)
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                return _Failed(exc)
+
+        sched.active = len(inputs)
+        return await gather_all([sched.walker(one(x)) for x in inputs])
+
+    async def _values(
+        self, run: _Run, outputs: list[Any], return_exceptions: bool
+    ) -> dict[str, str]:
+        """Send what is left, close the run and wait for every output's values; an output
+        whose value failed becomes a `_Failed` in `outputs` (with `return_exceptions`)."""
         s = run.session
-        needed = set().union(*(variables(o) for o in outputs))
+        live = [i for i, o in enumerate(outputs) if not isinstance(o, _Failed)]
+        needed = set().union(*(variables(outputs[i]) for i in live))
         if s.run_id is None and not s.calls:
             return dict(s.values)  # nothing ran on the server
         for name in needed:
             if name not in s.inputs:
                 s.outputs.setdefault(name, self.objective)
         await s.flush(close=True)
-        for name in needed:
-            await s.value(name)
+        for i in live:
+            try:
+                for name in sorted(variables(outputs[i])):
+                    await s.value(name)
+            except ParrotError as exc:
+                if not return_exceptions:
+                    raise
+                outputs[i] = _Failed(exc)
         await s.finish()
         return dict(s.values)
 
     # ------------------------------------------------------------------ configs
-    async def _context(self) -> None:
-        """The served model's context length, needed once per server when a chat step
-        leaves max_tokens unset (the chat route then generates up to the context)."""
+    async def _server_info(self) -> None:
+        """What the server serves (`GET /v1/models`), once per server: the model ids, to
+        refuse an unknown one as its request-level route does, and the context length,
+        for a chat step that leaves max_tokens unset (the chat route then generates up to
+        the context)."""
         key = self.endpoint.url("")
-        if key in _CONTEXT or not any(
-            m.model.max_tokens is None and "max_tokens" not in m.kwargs for m in self.models
-        ):
+        if key in _SERVED:
             return
-        async with httpx.AsyncClient() as client:
-            r = await client.get(
-                self.endpoint.url("/v1/models"),
-                headers=self.endpoint.headers(False),
-                timeout=self.endpoint.timeout,
+        url = self.endpoint.url("/v1/models")
+        try:
+            async with httpx.AsyncClient() as client:
+                r = await client.get(
+                    url, headers=self.endpoint.headers(False), timeout=self.endpoint.timeout
+                )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc, self.endpoint, url) from exc
+        if r.status_code in (401, 403):
+            raise error_from_response(r)
+        try:
+            data = r.json().get("data") if r.status_code == 200 else None
+        except (ValueError, AttributeError):
+            data = None
+        if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+            _SERVED[key] = None  # not a listing: nothing to check against
+            return
+        _SERVED[key] = {m.get("id"): m.get("max_model_len") for m in data}
+
+    def _served(self, model: str) -> int | None:
+        """The context length of a served model (None when unknown); refuses a model the
+        server does not serve, as its chat and completions routes do (404)."""
+        served = _SERVED.get(self.endpoint.url(""))
+        if served is None:
+            return None
+        if model not in served:
+            names = ", ".join(repr(m) for m in served)
+            raise ParrotBadRequestError(
+                f"The model {model!r} does not exist; this server serves {names}",
+                status_code=404,
+                type="not_found_error",
+                param="model",
             )
-        data = r.json().get("data") if r.status_code == 200 else None
-        _CONTEXT[key] = data[0].get("max_model_len") if data else None
+        return served[model]
 
     def _config_of(self, step: ModelStep) -> dict[str, Any]:
         """The generation config of a model step's output: what its request-level call
@@ -455,6 +561,7 @@ class CompiledChain(Runnable[Any, Any]):
             raise ClientStep  # settings only the request-level route knows
         model = step.model
         kw = step.kwargs
+        context = self._served(model.model)
         temperature = kw.get("temperature", model.temperature)
         top_p = kw.get("top_p", model.top_p)
         config: dict[str, Any] = {
@@ -463,7 +570,7 @@ class CompiledChain(Runnable[Any, Any]):
         }
         max_tokens = kw.get("max_tokens", model.max_tokens)
         if max_tokens is None:
-            max_tokens = _CONTEXT.get(self.endpoint.url("")) or 256
+            max_tokens = context or 256
         config["max_tokens"] = int(max_tokens)
         seed = kw.get("seed", model.seed)
         if seed is not None:
@@ -503,23 +610,44 @@ def _final_call(output: Any) -> dict[str, Any]:
     return {}
 
 
-def _models(step: Any) -> list[ModelStep]:
-    """The Parrot models of a chain."""
-    from langchain_core.runnables import RunnableBinding, RunnableParallel, RunnableSequence
-    from langchain_core.runnables.base import RunnableEach
+def _models(step: Any, client: bool = False) -> list[tuple[ModelStep, bool]]:
+    """The Parrot models of a chain, each with whether it may run on the server (False
+    for those under steps that always run on the client)."""
+    from langchain_core.runnables import RunnableParallel, RunnableSequence
+    from langchain_core.runnables.base import RunnableBindingBase, RunnableEach
+    from langchain_core.runnables.branch import RunnableBranch
+    from langchain_core.runnables.configurable import (
+        DynamicRunnable,
+        RunnableConfigurableAlternatives,
+    )
+    from langchain_core.runnables.fallbacks import RunnableWithFallbacks
     from langchain_core.runnables.passthrough import RunnableAssign
 
     found = model_of(step)
     if found is not None:
-        return [found]
+        return [(found, not client)]
     if isinstance(step, RunnableSequence):
-        return [m for s in step.steps for m in _models(s)]
+        return [m for s in step.steps for m in _models(s, client)]
     if isinstance(step, RunnableParallel):
-        return [m for s in step.steps__.values() for m in _models(s)]
+        return [m for s in step.steps__.values() for m in _models(s, client)]
     if isinstance(step, RunnableAssign):
-        return _models(step.mapper)
-    if isinstance(step, (RunnableEach, RunnableBinding)):
-        return _models(step.bound)
+        return _models(step.mapper, client)
+    if isinstance(step, RunnableEach):
+        return _models(step.bound, client)
+    if isinstance(step, RunnableBindingBase):  # .bind, .with_config; .with_retry: client
+        return _models(step.bound, client or not isinstance(step, RunnableBinding))
+    if isinstance(step, DynamicRunnable):  # lowered as configured at invoke time
+        found_ = _models(step.default, client)
+        if isinstance(step, RunnableConfigurableAlternatives):
+            for alt in step.alternatives.values():
+                if isinstance(alt, Runnable):
+                    found_ += _models(alt, client)
+        return found_
+    if isinstance(step, RunnableWithFallbacks):
+        return [m for s in (step.runnable, *step.fallbacks) for m in _models(s, True)]
+    if isinstance(step, RunnableBranch):
+        parts = [r for _, r in step.branches] + [step.default]
+        return [m for s in parts for m in _models(s, True)]
     return []
 
 
@@ -535,6 +663,7 @@ def _plan(step: Any, server_data: bool, out: list[dict[str, Any]]) -> tuple[bool
         RunnableSequence,
     )
     from langchain_core.runnables.base import RunnableEach
+    from langchain_core.runnables.configurable import DynamicRunnable
     from langchain_core.runnables.passthrough import RunnableAssign
 
     if model_of(step) is not None:
@@ -555,6 +684,8 @@ def _plan(step: Any, server_data: bool, out: list[dict[str, Any]]) -> tuple[bool
         return data, max((t for _, t in results), default=0)
     if isinstance(step, RunnableEach):
         return _plan(step.bound, server_data, out)
+    if isinstance(step, DynamicRunnable):  # as configured by default
+        return _plan(step.default, server_data, out)
     if isinstance(step, RunnableBinding) and not step.kwargs:
         return _plan(step.bound, server_data, out)
     if isinstance(
@@ -597,13 +728,17 @@ def _run_sync(coro: Any) -> Any:
 
 
 def _iterate_sync(agen: AsyncIterator[Any]) -> Iterator[Any]:
-    """Iterate an async iterator from sync code, item by item, on a loop in a thread."""
+    """Iterate an async iterator from sync code, item by item, on a loop in a thread.
+    Leaving early (`break`, `close()`) cancels it there, which cancels the run."""
     import queue as _queue
 
     items: _queue.Queue = _queue.Queue()
     end = object()
+    running: dict[str, Any] = {}
 
     async def pump() -> None:
+        running["loop"] = asyncio.get_running_loop()
+        running["task"] = asyncio.current_task()
         try:
             async for item in agen:
                 items.put((True, item))
@@ -614,11 +749,16 @@ def _iterate_sync(agen: AsyncIterator[Any]) -> Iterator[Any]:
 
     thread = threading.Thread(target=lambda: asyncio.run(pump()), daemon=True)
     thread.start()
-    while True:
-        ok, item = items.get()
-        if item is end:
-            break
-        if not ok:
-            raise item
-        yield item
-    thread.join()
+    try:
+        while True:
+            ok, item = items.get()
+            if item is end:
+                break
+            if not ok:
+                raise item
+            yield item
+    finally:
+        if thread.is_alive() and "task" in running:
+            with contextlib.suppress(RuntimeError):  # the loop just ended by itself
+                running["loop"].call_soon_threadsafe(running["task"].cancel)
+        thread.join()

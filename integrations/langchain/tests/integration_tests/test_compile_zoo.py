@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from operator import itemgetter
 
 import pytest
@@ -14,13 +15,20 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.output_parsers import JsonOutputParser, StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
 from langchain_core.runnables import (
+    ConfigurableField,
     RunnableBranch,
     RunnableLambda,
     RunnableParallel,
     RunnablePassthrough,
 )
 
-from langchain_parrot import ChatParrot, ParrotLLM, compile_chain
+from langchain_parrot import (
+    ChatParrot,
+    ParrotBadRequestError,
+    ParrotError,
+    ParrotLLM,
+    compile_chain,
+)
 
 N = 10  # tokens per step: enough to differ, small enough for CPU
 
@@ -174,6 +182,22 @@ def _shapes(chat, llm):
         {"x": "A cat"},
         1,
     )
+    # 16. values holding template syntax stay data, never placeholders
+    shapes["braces_in_values"] = (
+        ChatPromptTemplate.from_messages([("system", "Repeat the text."), ("human", "{t}")])
+        | chat
+        | s,
+        {"t": "{t} {{x}} \\{{input:t}} {{output:o}} }{"},
+        1,
+    )
+    # 17. steps that run on the client, Parrot models inside: fallbacks and retries
+    missing = chat.model_copy(update={"model": "no-such-model"})
+    ask = ChatPromptTemplate.from_messages([("human", "Name a {kind}.")])
+    shapes["fallbacks"] = (ask | missing.with_fallbacks([chat]) | s, {"kind": "bird"}, 0)
+    shapes["retry"] = (ask | chat.with_retry(stop_after_attempt=2) | s, {"kind": "tree"}, 0)
+    # 18. configurable fields (lowered as configured, here by default)
+    configurable = llm.configurable_fields(max_tokens=ConfigurableField(id="max_tokens"))
+    shapes["configurable"] = (summarize | configurable, {"doc": DOCS[1]}, 1)
     return shapes
 
 
@@ -194,6 +218,10 @@ SHAPES = [
     "picks_mustache",
     "partial",
     "penalties",
+    "braces_in_values",
+    "fallbacks",
+    "retry",
+    "configurable",
 ]
 
 
@@ -295,3 +323,77 @@ def test_plan_says_what_runs_where(models):
     assert plan["steps"][0]["where"] == "server"
     assert {s["where"] for s in plan["steps"][1:]} == {"client"}
     assert json.dumps(plan)  # plain data
+
+
+def test_a_batch_with_return_exceptions_fails_only_the_bad_inputs(models):
+    chat, _ = models
+    chain = ChatPromptTemplate.from_messages([("human", "{q}")]) | chat | StrOutputParser()
+    inputs = [{"q": "Name a bird."}, {"wrong": 1}, {"q": "hello " * 9000}, {"q": "Hi"}]
+    plain = chain.batch(inputs, return_exceptions=True)
+    compiled = compile_chain(chain)
+    for got in (
+        compiled.batch(inputs, return_exceptions=True),
+        asyncio.run(compiled.abatch(inputs, return_exceptions=True)),
+    ):
+        assert [got[0], got[3]] == [plain[0], plain[3]]
+        assert isinstance(got[1], KeyError) and isinstance(plain[1], KeyError)
+        assert isinstance(plain[2], ParrotBadRequestError)
+        assert isinstance(got[2], ParrotError) and "8192" in str(got[2])  # the reason
+
+
+def test_a_model_the_server_does_not_serve_is_a_404_as_in_the_plain_chain(models):
+    chat, _ = models
+    wrong = chat.model_copy(update={"model": "gpt-4"})
+    chain = ChatPromptTemplate.from_messages([("human", "{q}")]) | wrong
+    for run in (chain.invoke, compile_chain(chain).invoke):
+        with pytest.raises(ParrotBadRequestError, match="'gpt-4' does not exist") as info:
+            run({"q": "hi"})
+        assert info.value.status_code == 404
+
+
+def test_configurable_fields_are_lowered_as_configured(models):
+    chat, _ = models
+    configurable = chat.configurable_fields(max_tokens=ConfigurableField(id="max_tokens"))
+    chain = ChatPromptTemplate.from_messages([("human", "Tell me about {t}.")]) | configurable
+    config = {"configurable": {"max_tokens": 3}}
+    compiled = compile_chain(chain)
+    got = compiled.invoke({"t": "rivers"}, config=config)
+    plain = chain.invoke({"t": "rivers"}, config=config)
+    assert got.content == plain.content and got.usage_metadata["output_tokens"] == 3
+    assert compiled.last_requests == 1
+
+
+def test_a_streamed_chat_answer_ends_with_its_metadata_as_chat_parrots(models):
+    chat, _ = models
+    chain = ChatPromptTemplate.from_messages([("human", "Tell me about {t}.")]) | chat
+
+    def merged(chunks):
+        out = chunks[0]
+        for c in chunks[1:]:
+            out += c
+        return out
+
+    plain = merged(list(chain.stream({"t": "clocks"})))
+    got = merged(list(compile_chain(chain).stream({"t": "clocks"})))
+    assert got.content == plain.content
+    assert got.usage_metadata == plain.usage_metadata
+    assert got.response_metadata == plain.response_metadata
+
+
+def test_leaving_a_stream_early_cancels_the_run(parrot_server):
+    import httpx
+
+    chat = ChatParrot(
+        base_url=parrot_server.url, api_key=parrot_server.api_key, temperature=0, max_tokens=200
+    )
+    chain = compile_chain(ChatPromptTemplate.from_messages([("human", "{q}")]) | chat)
+    for _ in chain.stream({"q": "Tell me a long story."}):
+        break
+    headers = {"Authorization": f"Bearer {parrot_server.api_key}"}
+    deadline = time.monotonic() + 10  # far less than the 200 tokens would take
+    while True:
+        [run] = httpx.get(f"{parrot_server.url}/v1/runs?limit=1", headers=headers).json()["runs"]
+        if run["status"] != "running" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert run["status"] == "cancelled"

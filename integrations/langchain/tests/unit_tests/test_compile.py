@@ -83,3 +83,19 @@ def test_chains_it_cannot_compile_are_refused():
         compile_chain({"a": PROMPT | LLM, "b": PROMPT | other})
     with pytest.raises(ValueError, match="objective"):
         compile_chain(PROMPT | LLM, objective="fast")
+
+
+def test_models_under_fallbacks_retries_or_configurable_fields_are_found():
+    from langchain_core.runnables import ConfigurableField
+
+    chat = ChatParrot(base_url="http://127.0.0.1:9", temperature=0)
+    for step in (LLM.with_fallbacks([LLM]), LLM.with_retry()):  # these run on the client
+        plan = compile_chain(PROMPT | step).plan()
+        assert [s["where"] for s in plan["steps"]] == ["client"]
+        assert plan["round_trips"] == 0 and plan["requests"] == 0
+    configurable = chat.configurable_fields(temperature=ConfigurableField(id="t"))
+    plan = compile_chain(PROMPT | configurable).plan()  # lowered as configured
+    assert plan["steps"] == [{"step": "ChatParrot", "where": "server"}]
+    # a fallback's server does not count: only the lowered steps' runs go anywhere
+    other = ParrotLLM(base_url="http://127.0.0.1:10")
+    assert compile_chain(PROMPT | LLM | PROMPT | LLM.with_fallbacks([other])).plan()

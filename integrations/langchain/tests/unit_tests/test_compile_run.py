@@ -1,0 +1,144 @@
+"""compile_chain running against a scripted native server (`fakes.NativeServer`): batches
+with failing inputs, the server's reasons, unknown models, wrappers it must accept, stream
+metadata and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from langchain_core.messages import AIMessageChunk
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import ConfigurableField
+
+from langchain_parrot import (
+    ChatParrot,
+    ParrotBadRequestError,
+    ParrotConnectionError,
+    ParrotError,
+    compile_chain,
+)
+from langchain_parrot import compile as compile_module
+
+from .fakes import MODEL, NativeServer
+
+URL = "http://parrot.test"
+PROMPT = ChatPromptTemplate.from_messages([("user", "Q: {q}")])
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> NativeServer:
+    """Every httpx.AsyncClient the package makes talks to a fresh NativeServer."""
+    fake = NativeServer()
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda *a, **k: real(transport=httpx.MockTransport(fake))
+    )
+    monkeypatch.setattr(compile_module, "_SERVED", {})
+    return fake
+
+
+def chat(**kwargs) -> ChatParrot:
+    return ChatParrot(base_url=URL, temperature=0, max_tokens=8, **kwargs)
+
+
+def test_a_batch_with_return_exceptions_fails_only_the_bad_inputs(server) -> None:
+    chain = compile_chain(PROMPT | chat() | StrOutputParser())
+    inputs = [{"q": "a"}, {"wrong": 1}, {"q": "FAIL"}, {"q": "b"}]
+    for got in (
+        chain.batch(inputs, return_exceptions=True),
+        asyncio.run(chain.abatch(inputs, return_exceptions=True)),
+    ):
+        assert got[0] == "gen(a)" and got[3] == "gen(b)"
+        assert isinstance(got[1], KeyError)  # what the plain chain's prompt raises
+        assert isinstance(got[2], ParrotError) and NativeServer.FAILURE in str(got[2])
+    with pytest.raises(KeyError):
+        chain.batch(inputs)
+
+
+def test_a_batch_the_server_refuses_as_a_whole_fails_only_the_bad_input(server) -> None:
+    chain = compile_chain(PROMPT | chat() | StrOutputParser())
+    inputs = [{"q": "a"}, {"q": "REFUSE"}, {"q": "b"}]
+    got = chain.batch(inputs, return_exceptions=True)
+    assert got[0] == "gen(a)" and got[2] == "gen(b)"
+    assert isinstance(got[1], ParrotBadRequestError) and "context holds 8192" in str(got[1])
+    with pytest.raises(ParrotBadRequestError):
+        chain.batch(inputs)
+    with pytest.raises(ParrotBadRequestError):
+        chain.invoke({"q": "REFUSE"})
+
+
+def test_a_failed_call_raises_the_servers_reason(server) -> None:
+    chain = compile_chain(PROMPT | chat() | StrOutputParser())
+    with pytest.raises(ParrotError, match="would hold 9031 tokens"):
+        chain.invoke({"q": "FAIL"})
+
+
+def test_a_model_the_server_does_not_serve_is_refused_before_any_run(server) -> None:
+    chain = compile_chain(PROMPT | chat(model="gpt-4") | StrOutputParser())
+    with pytest.raises(ParrotBadRequestError, match="'gpt-4' does not exist") as info:
+        chain.invoke({"q": "a"})
+    assert info.value.status_code == 404 and info.value.param == "model"
+    assert server.paths == ["GET /v1/models"]
+
+
+def test_an_unreachable_server_is_a_connection_error(monkeypatch) -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("Connection refused", request=request)
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda *a, **k: real(transport=httpx.MockTransport(refuse))
+    )
+    monkeypatch.setattr(compile_module, "_SERVED", {})
+    for model in (chat(), ChatParrot(base_url=URL)):  # with and without max_tokens
+        with pytest.raises(ParrotConnectionError, match="cannot reach"):
+            compile_chain(PROMPT | model).invoke({"q": "a"})
+
+
+def test_fallbacks_retries_and_configurable_fields_compile(server) -> None:
+    bad = chat(model="nope")
+    fallback = compile_chain(PROMPT | bad.with_fallbacks([chat()]) | StrOutputParser())
+    assert fallback.invoke({"q": "a"}) == "chat(Q: a)"  # on the client, as plain
+    retry = compile_chain(PROMPT | chat().with_retry(stop_after_attempt=2) | StrOutputParser())
+    assert retry.invoke({"q": "a"}) == "chat(Q: a)"
+    configurable = chat().configurable_fields(max_tokens=ConfigurableField(id="mt"))
+    compiled = compile_chain(PROMPT | configurable | StrOutputParser())
+    assert compiled.invoke({"q": "a"}, config={"configurable": {"mt": 3}}) == "gen(a)"
+    [run] = server.bodies("/v1/runs")
+    [call] = run["program"]["calls"]
+    assert call["outputs"][next(iter(call["outputs"]))]["max_tokens"] == 3  # lowered
+
+
+def test_metadata_of_a_chat_answer_matches_chat_parrots(server) -> None:
+    chain = compile_chain(PROMPT | chat())
+    message = chain.invoke({"q": "a"})
+    assert message.response_metadata == {
+        "model_name": MODEL,
+        "token_usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+        "finish_reason": "stop",
+        "model_provider": "parrot",
+    }
+    chunks = list(chain.stream({"q": "a"}))
+    assert all(isinstance(c, AIMessageChunk) for c in chunks)
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged += c
+    assert merged.content == "gen(a)"
+    assert merged.usage_metadata == {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}
+    assert merged.response_metadata["finish_reason"] == "stop"
+    assert merged.response_metadata["model_name"] == MODEL
+    assert chunks[-1].chunk_position == "last"
+
+
+def test_leaving_a_sync_stream_early_cancels_the_run(server) -> None:
+    server.delay = 0.05
+    chain = compile_chain(PROMPT | chat() | StrOutputParser())
+    start = time.monotonic()
+    for _ in chain.stream({"q": "a" * 40}):
+        break
+    assert f"POST /v1/runs/{NativeServer.RUN_ID}/cancel" in server.paths
+    assert time.monotonic() - start < 5

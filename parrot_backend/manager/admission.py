@@ -8,6 +8,12 @@ Checked before anything changes, so a refused request leaves no trace:
   (`EngineSet.check_limits`; a ProgramError, 400);
 - prompt: every call has text or an input before its first output, the prompt the model
   continues (a ProgramError, 400; it failed the call at run time);
+- context: a call whose text is all known (its template and the values of its inputs)
+  fits the model's context: its prompt, the text between its outputs and a token for
+  each output (`check_context`; a ProgramError, 400; it failed the call when it ran).
+  Only a text longer in UTF-8 bytes than the context is tokenized here (a token is at
+  least a byte, give or take a tokenizer's few added ones), and the tokens are the ones
+  the dispatcher renders next (the prompt tokenizer caches them);
 - tenant: a tenant has at most `max_calls_per_tenant` calls ready or running at once,
   counting the calls the request would make ready now (TenantBusy, 429: retry later).
 """
@@ -16,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from parrot_backend.program import Call, ProgramError
+from parrot_backend.program import Call, ProgramError, Text
 from parrot_backend.program.template import OutputRef
 
 from .engines import EngineSet
 from .ready_queue import ReadyQueue
+from .render import PromptTokenizer, plan_call
 from .runs import TenantBusy
 
 
@@ -33,11 +40,13 @@ class Admission:
         max_calls_per_tenant: int,
         engines: EngineSet,
         queue: ReadyQueue,
+        tokens: PromptTokenizer | None = None,
     ) -> None:
         self.max_calls_per_run = max_calls_per_run
         self.max_calls_per_tenant = max_calls_per_tenant
         self.engines = engines
         self.queue = queue
+        self.tokens = tokens
 
     def check_size(self, n_calls: int, what: str) -> None:
         """Raise ProgramError if `what` would hold more calls than a run may."""
@@ -73,3 +82,43 @@ class Admission:
                 f"{now} calls of this tenant are ready or running and {adding} more would "
                 f"start (at most {cap} at once); retry when some have finished"
             )
+
+    def check_context(self, calls: Iterable[Call], values: Mapping[str, str]) -> None:
+        """Raise ProgramError naming the calls whose text, all known from `values`, cannot
+        fit the model's context (calls with an input not in `values` are not checked)."""
+        context = self.engines.limits[1]
+        if context is None or self.tokens is None:
+            return
+        problems = []
+        for call in calls:
+            if not call.outputs or any(name not in values for name in call.inputs):
+                continue
+            size = len(call.outputs) + _SLACK
+            for seg in call.segments:
+                if isinstance(seg, Text):
+                    size += len(seg.text.encode("utf-8", "surrogatepass"))
+                elif not isinstance(seg, OutputRef):
+                    size += len(values[seg.name].encode("utf-8", "surrogatepass"))
+            if size <= context:
+                continue  # fits whatever the tokenizer makes of it
+            try:
+                plan = plan_call(call, values, self.tokens)
+            except Exception:  # noqa: BLE001 - the dispatcher fails the call with it
+                continue
+            between = sum(len(step.then) for step in plan.steps)
+            need = len(plan.prompt) + between + len(plan.steps)
+            if need > context:
+                first = call.outputs[0]
+                problems.append(
+                    f"call {call.name!r} needs at least {need} tokens of context (its "
+                    f"prompt before {{{{output:{first}}}}} is {len(plan.prompt)} tokens, the "
+                    f"text between its outputs {between}, and each of its "
+                    f"{len(plan.steps)} outputs at least one); the model's context holds "
+                    f"{context}: shorten the template or the input values"
+                )
+        if problems:
+            raise ProgramError("; ".join(problems[:5]), problems)
+
+
+# tokens a tokenizer may add beyond one per UTF-8 byte (BOS, a SentencePiece word marker)
+_SLACK = 8

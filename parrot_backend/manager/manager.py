@@ -110,7 +110,11 @@ class Manager:
         self.queue = ReadyQueue()
         config = self.config
         self.admission = Admission(
-            config.max_calls_per_run, config.max_calls_per_tenant, self.engine_set, self.queue
+            config.max_calls_per_run,
+            config.max_calls_per_tenant,
+            self.engine_set,
+            self.queue,
+            self.tokens,
         )
         self.wake = asyncio.Event()  # the ready queue or the engines changed
         self.transitions = RunTransitions(self.listeners, self.queue, clock, self.wake)
@@ -234,6 +238,7 @@ class Manager:
                 spec.inputs,
                 limits=any(c.outputs for c in spec.program.calls),
             )
+            self.admission.check_context(program.calls.values(), spec.inputs)
         known = dict(known or {})
         stray = [n for n in known if n not in program.variables or program.variables[n].is_input]
         if stray:
@@ -298,6 +303,7 @@ class Manager:
             inputs = dict(inputs or {})
             for name, value in inputs.items():
                 self._check_input(run, name, value)
+            self._check_context(run, inputs)
             names = await self._add_calls(run, calls, waits, inputs, close) if calls else []
             if not calls and close:
                 self._check_close(run, inputs)
@@ -319,6 +325,7 @@ class Manager:
         self.admission.check_size(base + len(calls), f"run {run.run_id}")
         built = self.builder.calls(calls, base)
         self.admission.check_calls(built, run.tenant, run.values)
+        self.admission.check_context(built, {**run.values, **inputs})
         given = [o for c in built for o in c.outputs if o in run.values or o in inputs]
         if given:
             raise ProgramError(f"variables already given as inputs cannot be generated: {given}")
@@ -363,7 +370,16 @@ class Manager:
         async with run.mutex:
             run = self._open_run(run_id)
             self._check_input(run, name, value)
+            self._check_context(run, {name: value})
             await self.transitions.set_value(run, name, value, source="input", call=None)
+
+    def _check_context(self, run: Run, inputs: Mapping[str, str]) -> None:
+        """Raise ProgramError if setting `inputs` would complete the text of a call of
+        `run` that cannot fit the model's context."""
+        if not inputs:
+            return
+        readers = [c for c in run.program.calls.values() if any(i in inputs for i in c.inputs)]
+        self.admission.check_context(readers, {**run.values, **inputs})
 
     @staticmethod
     def _check_input(run: Run, name: str, value: str) -> None:

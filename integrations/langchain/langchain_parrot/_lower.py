@@ -17,6 +17,7 @@ template text, so they are never parsed as placeholders and never spell chat mar
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import html
 import itertools
 import operator
@@ -56,6 +57,10 @@ from langchain_core.runnables.passthrough import RunnableAssign
 
 from .chat_models import ChatParrot
 from .llms import ParrotLLM
+
+# Which input of a batch the running walker serves (set per walker task; child tasks of
+# parallels and maps inherit it): the calls it makes are traced under that input's run.
+OWNER: contextvars.ContextVar[int] = contextvars.ContextVar("parrot_owner", default=0)
 
 
 # ------------------------------------------------------------------------- values
@@ -252,6 +257,7 @@ class Lowering:
         self.meta: dict[str, dict] = {}  # call -> AIMessage fields (filled from events)
         self.models: dict[str, ModelStep] = {}  # call -> model, for tracing
         self.prompts: dict[str, Any] = {}  # call -> its symbolic prompt, for tracing
+        self.owners: dict[str, int] = {}  # call -> the batch input it serves, for tracing
 
     def new_input(self, value: str) -> Var:
         """A client-side string as an input variable of the run."""
@@ -480,6 +486,7 @@ class Lowering:
         self.scheduler.session.add_call(call)
         self.models[name] = model
         self.prompts[name] = prompt
+        self.owners[name] = OWNER.get()
         return result
 
     # ------------------------------------------------------------------ the client

@@ -41,6 +41,7 @@ from langchain_core.runnables.config import patch_config
 
 from ._http import _transport_error, error_from_response
 from ._lower import (
+    OWNER,
     AIMsg,
     ClientStep,
     Lowering,
@@ -127,11 +128,11 @@ class Tracer:
 
     def __init__(
         self,
-        manager: CallbackManager | AsyncCallbackManager | None,
+        managers: list[CallbackManager | AsyncCallbackManager],
         lowering: Lowering,
         session: RunSession,
     ) -> None:
-        self.manager = manager
+        self.managers = managers  # per input of the run: its chain run's children
         self.lowering = lowering
         self.session = session
         self.runs: dict[str, Any] = {}
@@ -151,24 +152,25 @@ class Tracer:
         if kind == "token":
             self.texts.setdefault(call, []).append(payload.get("text", ""))
         low = self.lowering
-        if call not in low.models or self.manager is None:
+        if call not in low.models or not self.managers:
             if kind == "call_finished" and call in low.models:
                 self._meta(call, payload)
             return
         model = low.models[call]
+        manager = self.managers[low.owners.get(call, 0)]  # the input the call serves
         if kind == "call_started" and call not in self.runs:
             prompt = concrete(low.prompts[call], self.session.values, low.meta)
             serialized = model.model.to_json() if hasattr(model.model, "to_json") else {}
             if isinstance(model.model, ChatParrot):
                 runs = await self._call(
-                    self.manager.on_chat_model_start,
+                    manager.on_chat_model_start,
                     serialized,
                     [prompt.to_messages()],
                     name=model.model.get_name(),
                 )
             else:
                 runs = await self._call(
-                    self.manager.on_llm_start,
+                    manager.on_llm_start,
                     serialized,
                     [prompt.to_string()],
                     name=model.model.get_name(),
@@ -287,7 +289,7 @@ class CompiledChain(Runnable[Any, Any]):
     # ------------------------------------------------------------------ running
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         return self._call_with_config(
-            lambda x, run_manager, config: _run_sync(self._arun([x], config, run_manager))[0],
+            lambda x, run_manager, config: _run_sync(self._arun([x], [config], [run_manager]))[0],
             input,
             config,
             run_type="chain",
@@ -295,7 +297,7 @@ class CompiledChain(Runnable[Any, Any]):
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         async def go(x: Any, run_manager: Any, config: RunnableConfig) -> Any:
-            return (await self._arun([x], config, run_manager))[0]
+            return (await self._arun([x], [config], [run_manager]))[0]
 
         return await self._acall_with_config(go, input, config, run_type="chain")
 
@@ -322,27 +324,28 @@ class CompiledChain(Runnable[Any, Any]):
         """Every input in one run: shared prefixes filled once, one request."""
         if not inputs:
             return []
-        one = config[0] if isinstance(config, list) else config
-        try:
-            return await self._acall_with_config(
-                lambda xs, run_manager, config: self._abatch_run(
-                    xs, config, run_manager, return_exceptions
-                ),
-                list(inputs),
-                one,
-                run_type="chain",
-            )
-        except Exception as exc:
-            if return_exceptions:
-                return [exc] * len(inputs)
-            raise
+        # a chain run per input (its own config: callbacks, tags, configurable), as the
+        # plain chain's batch has; the inputs still share one server run
+        return await self._abatch_with_config(
+            lambda xs, run_manager, config: self._abatch_run(
+                xs, config, run_manager, return_exceptions
+            ),
+            list(inputs),
+            config,
+            return_exceptions=return_exceptions,
+            run_type="chain",
+        )
 
     async def _abatch_run(
-        self, inputs: list[Any], config: RunnableConfig, run_manager: Any, return_exceptions: bool
+        self,
+        inputs: list[Any],
+        configs: list[RunnableConfig],
+        run_managers: list[Any],
+        return_exceptions: bool,
     ) -> list[Any]:
         try:
             return await self._arun(
-                inputs, config, run_manager, return_exceptions=return_exceptions
+                inputs, configs, run_managers, return_exceptions=return_exceptions
             )
         except ParrotBadRequestError:
             if not return_exceptions or len(inputs) < 2:
@@ -351,14 +354,18 @@ class CompiledChain(Runnable[Any, Any]):
         # The server refused the run as a whole for one input's sake (a prompt longer than
         # the context): one run per input, so that only that input fails, as in the plain
         # chain's batch. Client steps that ran before the refusal run again.
-        async def alone(x: Any) -> Any:
+        async def alone(x: Any, config: RunnableConfig, run_manager: Any) -> Any:
             try:
-                [out] = await self._arun([x], config, run_manager, return_exceptions=True)
+                [out] = await self._arun([x], [config], [run_manager], return_exceptions=True)
             except Exception as exc:
                 return exc
             return out
 
-        return list(await asyncio.gather(*(alone(x) for x in inputs)))
+        return list(
+            await asyncio.gather(
+                *(alone(*a) for a in zip(inputs, configs, run_managers, strict=True))
+            )
+        )
 
     def stream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
@@ -378,7 +385,7 @@ class CompiledChain(Runnable[Any, Any]):
             try:
                 holder["out"] = await self._acall_with_config(
                     lambda x, run_manager, config: self._arun(
-                        [x], config, run_manager, events=queue
+                        [x], [config], [run_manager], events=queue
                     ),
                     input,
                     config,
@@ -432,20 +439,23 @@ class CompiledChain(Runnable[Any, Any]):
     async def _arun(
         self,
         inputs: list[Any],
-        config: RunnableConfig,
-        run_manager: Any,
+        configs: list[RunnableConfig],
+        run_managers: list[Any],
         events: asyncio.Queue | None = None,
         return_exceptions: bool = False,
     ) -> list[Any]:
         """The outputs of `inputs`, run together; with `return_exceptions`, an input that
         fails (on the client or on the server) gives its exception and the others go on."""
         async with httpx.AsyncClient() as client:
-            run = self._start(client, run_manager)
+            run = self._start(client, run_managers)
             if events is not None:
                 run.tracer.listeners.append(events)
-            child = patch_config(config, callbacks=run_manager.get_child())
+            children = [
+                patch_config(c, callbacks=m.get_child())
+                for c, m in zip(configs, run_managers, strict=True)
+            ]
             try:
-                outputs = await self._walk(run, inputs, child, return_exceptions)
+                outputs = await self._walk(run, inputs, children, return_exceptions)
                 if events is not None:
                     events.put_nowait(("final", _final_call(outputs[0])))
                 values = await self._values(run, outputs, return_exceptions)
@@ -459,31 +469,35 @@ class CompiledChain(Runnable[Any, Any]):
             finally:
                 self.last_requests = run.session.requests
 
-    def _start(self, client: httpx.AsyncClient, run_manager: Any) -> _Run:
+    def _start(self, client: httpx.AsyncClient, run_managers: list[Any]) -> _Run:
         session = RunSession(client, self.endpoint)
         scheduler = Scheduler(session)
         lowering = Lowering(scheduler, self._config_of)
-        manager = run_manager.get_child() if run_manager is not None else None
-        tracer = Tracer(manager, lowering, session)
+        tracer = Tracer([m.get_child() for m in run_managers], lowering, session)
         session.on_event = tracer.on_event
         return _Run(session, lowering, scheduler, tracer)
 
     async def _walk(
-        self, run: _Run, inputs: list[Any], config: RunnableConfig, return_exceptions: bool
+        self,
+        run: _Run,
+        inputs: list[Any],
+        configs: list[RunnableConfig],
+        return_exceptions: bool,
     ) -> list[Any]:
         await self._server_info()
         low, sched = run.lowering, run.scheduler
 
-        async def one(x: Any) -> Any:
+        async def one(i: int, x: Any) -> Any:
+            OWNER.set(i)  # this walker's task and those it starts: calls for input i
             try:
-                return await low.walk(self.chain, low.symbolize(x), (), config)
+                return await low.walk(self.chain, low.symbolize(x), (), configs[i])
             except Exception as exc:
                 if not return_exceptions:
                     raise
                 return _Failed(exc)
 
         sched.active = len(inputs)
-        return await gather_all([sched.walker(one(x)) for x in inputs])
+        return await gather_all([sched.walker(one(i, x)) for i, x in enumerate(inputs)])
 
     async def _values(
         self, run: _Run, outputs: list[Any], return_exceptions: bool

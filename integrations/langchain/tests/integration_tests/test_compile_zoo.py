@@ -397,3 +397,20 @@ def test_leaving_a_stream_early_cancels_the_run(parrot_server):
             break
         time.sleep(0.2)
     assert run["status"] == "cancelled"
+
+
+def test_a_batch_with_a_config_per_input_equals_the_plain_batch(models):
+    chat, _ = models
+    configurable = chat.configurable_fields(max_tokens=ConfigurableField(id="max_tokens"))
+    prompt = ChatPromptTemplate.from_messages([("human", "Tell me about {t}.")])
+    chain = prompt | configurable | StrOutputParser()
+    inputs = [{"t": "rivers"}, {"t": "clocks"}]
+    budgets = [{"configurable": {"max_tokens": 3}}, {"configurable": {"max_tokens": 6}}]
+    seen = [Recorder(), Recorder()]
+    configs = [{**b, "callbacks": [r]} for b, r in zip(budgets, seen, strict=True)]
+    compiled = compile_chain(chain)
+    assert compiled.batch(inputs, config=configs) == chain.batch(inputs, config=budgets)
+    assert compiled.last_requests == 1
+    for r in seen:  # each input its own chain run, with its own call under it
+        assert r.events[0] == "chain_start" and r.events[-1] == "chain_end"
+        assert r.events.count("chat_start") == 1

@@ -142,3 +142,30 @@ def test_leaving_a_sync_stream_early_cancels_the_run(server) -> None:
         break
     assert f"POST /v1/runs/{NativeServer.RUN_ID}/cancel" in server.paths
     assert time.monotonic() - start < 5
+
+
+def test_a_batch_gives_each_input_its_own_config_and_chain_run(server) -> None:
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Runs(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.chains: list = []
+            self.chat_models = 0
+
+        def on_chain_start(self, serialized, inputs, *, parent_run_id=None, **kw) -> None:
+            if parent_run_id is None:
+                self.chains.append(inputs)
+
+        def on_chat_model_start(self, serialized, messages, **kw) -> None:
+            self.chat_models += 1
+
+    configurable = chat().configurable_fields(max_tokens=ConfigurableField(id="mt"))
+    chain = compile_chain(PROMPT | configurable | StrOutputParser())
+    seen = [Runs(), Runs()]
+    configs = [{"callbacks": [seen[0]], "configurable": {"mt": 3}}, {"callbacks": [seen[1]]}]
+    assert chain.batch([{"q": "a"}, {"q": "b"}], config=configs) == ["gen(a)", "gen(b)"]
+    assert [r.chains for r in seen] == [[{"q": "a"}], [{"q": "b"}]]  # one chain run each
+    assert [r.chat_models for r in seen] == [1, 1]  # its own call, traced under it
+    [run] = server.bodies("/v1/runs")  # one server run for both
+    budgets = [next(iter(c["outputs"].values()))["max_tokens"] for c in run["program"]["calls"]]
+    assert budgets == [3, 8]

@@ -98,7 +98,8 @@ class ParrotParams(BaseModel):
         }
         stops = stop if stop is not None else self.stop
         if stops:
-            payload["stop"] = list(stops)
+            # one string is one stop sequence (as the OpenAI API takes it), not its letters
+            payload["stop"] = [stops] if isinstance(stops, str) else list(stops)
         payload.update((k, v) for k, v in kwargs.items() if k not in _RESERVED)
         return {k: v for k, v in payload.items() if v is not None}
 
@@ -131,7 +132,7 @@ class ParrotParams(BaseModel):
             params["ls_max_tokens"] = max_tokens
         stops = stop if stop is not None else self.stop
         if stops:
-            params["ls_stop"] = list(stops)
+            params["ls_stop"] = [stops] if isinstance(stops, str) else list(stops)
         return params
 
 

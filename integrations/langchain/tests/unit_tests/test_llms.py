@@ -119,6 +119,13 @@ def test_call_stop_replaces_the_settings_stop() -> None:
     assert server.bodies[0]["stop"] == ["b"]
 
 
+def test_a_stop_given_as_one_string_is_one_stop_sequence() -> None:
+    server = FakeServer(ok(completion_body("x")))
+    llm(server).invoke("p", stop="END")
+    llm(server).bind(stop="\n\n").invoke("p")
+    assert [b["stop"] for b in server.bodies] == [["END"], ["\n\n"]]
+
+
 def test_a_bad_request_in_a_batch_raises_with_the_server_message() -> None:
     server = FakeServer(error(400, "prompt too long", param="prompt"))
     with pytest.raises(ParrotBadRequestError, match="prompt too long"):

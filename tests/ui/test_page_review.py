@@ -43,6 +43,11 @@ def _run_api(app, spec: dict, headers: dict | None = None) -> str:
     return r.json()["run_id"]
 
 
+def _DETAIL(url: str) -> bool:
+    """A run's detail, GET /v1/runs/{id} (not its events, not the list)."""
+    return "/v1/runs/" in url and url.rstrip("/").split("/")[-2] == "runs"
+
+
 def _no_markup(page) -> None:
     assert page.evaluate("() => window.__pwn") is None
     injected = "#run-panel img, #run-panel script, #run-panel b, #run-panel svg svg"
@@ -146,8 +151,10 @@ def test_a_cancelled_runs_unfinished_variables_say_cancelled(page, app):
     open_page(page, app.url)
     run_id = start_run(page, spec)
     page.wait_for_function("() => parrotUI.stream.stats.tokens >= 10")
+    page.route(_DETAIL, lambda route: route.fulfill(status=503, body="{}"))  # stream alone
     page.click("#cancel")
-    snap = wait_finished(page)
+    page.wait_for_function("() => parrotUI.stream.closed")
+    snap = page.evaluate("() => parrotUI.snapshot()")
     detail = api_detail(app.url, run_id)
     assert detail["run"]["status"] == snap["status"] == "cancelled"
     a = snap["variables"]["a"]
@@ -158,7 +165,8 @@ def test_a_cancelled_runs_unfinished_variables_say_cancelled(page, app):
     )
     assert dict(badges) == {"w": "ready", "a": "cancelled", "b": "cancelled"}
     assert "streaming" not in page.inner_text("#variables")
-    assert set(snap["dag"].values()) == {"cancelled"}
+    assert snap["dag"] == {"one": "cancelled", "two": "cancelled"}
+    page.console_errors[:] = [e for e in page.console_errors if "503" not in e]
 
 
 def test_templates_may_start_with_a_placeholder(page, app):
@@ -271,7 +279,7 @@ def test_a_failed_call_shows_as_failed_from_the_stream_alone(page, app):
         "inputs": {"v": "go"},
     }
     page.route(
-        lambda url: "/v1/runs/" in url and url.rstrip("/").split("/")[-2] == "runs",
+        _DETAIL,
         lambda route: (
             route.fulfill(status=503, body="{}")
             if route.request.method == "GET"
@@ -343,3 +351,44 @@ def test_page_files_are_revalidated_and_the_page_answers_head(app):
     assert (
         head.status_code == 200 and "script-src 'self'" in head.headers["content-security-policy"]
     )
+
+
+def test_a_detail_answered_after_the_streams_end_does_not_make_the_run_running(page, app):
+    """Every detail answers 1.5 s late: one read while the run ran lands after the
+    stream's run_finished. The badge stays done (Cancel off) from the end on."""
+
+    def late_detail(route):
+        answer = route.fetch()  # the run's state now, shown 1.5 s later
+        time.sleep(1.5)
+        route.fulfill(response=answer)
+
+    page.route(_DETAIL, late_detail)
+    open_page(page, app.url)
+    page.evaluate(
+        """() => {
+          window.__badges = [];
+          const badge = document.querySelector('#run-status');
+          new MutationObserver(() => window.__badges.push(
+            [badge.dataset.status, document.querySelector('#cancel').disabled]
+          )).observe(badge, {attributes: true, childList: true});
+        }"""
+    )
+    app.engine.delay_s = 0.01
+    app.engine.reply = reply_for(length=200)  # 400 tokens: 4 s or more
+    spec = {
+        "program": {
+            "calls": [
+                chat_call("one", "About {{input:w}}.", "a", 200),
+                chat_call("two", "After {{input:a}}.", "b", 200),
+            ]
+        },
+        "inputs": {"w": "birds"},
+    }
+    start_run(page, spec)
+    snap = wait_finished(page)
+    time.sleep(3.5)  # the late details land
+    assert snap["status"] == "done"
+    assert page.evaluate("() => parrotUI.view.status") == "done"
+    seen = page.evaluate("() => window.__badges")
+    first_done = next(i for i, (status, _) in enumerate(seen) if status == "done")
+    assert all(status == "done" and cancel_off for status, cancel_off in seen[first_done:]), seen

@@ -220,7 +220,7 @@ async function refreshDetail() {
     const detail = await api.getRun(runId);
     if (view.runId !== runId) return;
     view.applyDetail(detail);
-    setRunStatus(detail.run.status);
+    setRunStatus(view.status);  // a detail older than the stream's end cannot undo it
     if (detail.run.error) showError("#run-error", { message: detail.run.error });
   } catch (err) {
     if (err.status !== 0) showError("#run-error", err);  // offline: the next one will do
@@ -261,10 +261,8 @@ function openRun(runId) {
   const current = new RunStream(api, runId, {
     onEvent(type, data) {
       view.apply(type, data);
-      // a stored run's log starts with run_created too: its detail may have said it is over
-      if (type === "run_created" && !OVER.includes($("#run-status").dataset.status)) {
-        setRunStatus("running");
-      }
+      // (a stored run's log starts with run_created too: the view keeps a run that is over)
+      if (type === "run_created") setRunStatus(view.status);
       if (type === "call_started" || type === "call_finished" || type === "call_failed") {
         scheduleDetail(false);
       }

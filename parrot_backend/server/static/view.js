@@ -114,7 +114,7 @@ export class RunView {
     switch (type) {
       case "run_created":
         this.setProgram(data.program, data.inputs || {});
-        this.status = "running";
+        this._setStatus("running");
         break;
       case "calls_added":
         this.setProgram({ calls: [...this.programCalls, ...data.calls] });
@@ -163,7 +163,7 @@ export class RunView {
         }
         break;
       case "run_finished":
-        this.status = RUN_STATUS[data.status] || data.status;
+        this._setStatus(RUN_STATUS[data.status] || data.status);
         this.flush();
         this._unfinished();
         break;
@@ -172,10 +172,22 @@ export class RunView {
     }
   }
 
+  // A run that is over stays over: a detail asked for before its end (answered after the
+  // stream's run_finished) or a stored run's log starting again cannot make it running.
+  _setStatus(status) {
+    if (TERMINAL.has(this.status) && !TERMINAL.has(status)) return;
+    this.status = status;
+  }
+
   // A run that is over leaves no variable pending: those it never produced (a cancelled
   // run's) say so, keeping what streamed of them, instead of "streaming" or "pending".
   _unfinished() {
     if (!TERMINAL.has(this.status)) return;
+    if (this.status === "cancelled") {  // the log has no event per cancelled call
+      for (const [name, node] of this.dag.nodes) {
+        if (!TERMINAL.has(node.info.state)) this.dag.setCall(name, { state: "cancelled" });
+      }
+    }
     const why = this.status === "cancelled" ? "cancelled" : "not produced";
     for (const [name, v] of this.vars) {
       if (v.status !== "pending") continue;
@@ -263,7 +275,7 @@ export class RunView {
   // The run's detail (GET /v1/runs/{id}): statuses, engines, task groups, timings.
   applyDetail(detail) {
     if (!this.calls.length) this.setProgram(detail.program);
-    this.status = detail.run.status;
+    this._setStatus(detail.run.status);
     for (const call of detail.calls) {
       const name = call.name ?? `#${call.idx}`;
       const node = this.dag.nodes.get(name);

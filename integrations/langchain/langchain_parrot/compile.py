@@ -680,7 +680,8 @@ def _plan(step: Any, server_data: bool, out: list[dict[str, Any]]) -> tuple[bool
     from langchain_core.runnables.configurable import DynamicRunnable
     from langchain_core.runnables.passthrough import RunnableAssign
 
-    if model_of(step) is not None:
+    found = model_of(step)
+    if found is not None and all(k in _CONFIG_KEYS for k in found.kwargs):
         out.append({"step": step.get_name(), "where": "server"})
         return True, 0
     if isinstance(step, RunnableSequence):

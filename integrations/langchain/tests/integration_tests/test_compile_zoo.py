@@ -198,6 +198,14 @@ def _shapes(chat, llm):
     # 18. configurable fields (lowered as configured, here by default)
     configurable = llm.configurable_fields(max_tokens=ConfigurableField(id="max_tokens"))
     shapes["configurable"] = (summarize | configurable, {"doc": DOCS[1]}, 1)
+    # 19. structured output (a model bound to a response format runs request-level)
+    extract = ChatPromptTemplate.from_messages([("human", "Extract the person: {t}")])
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "title": "Person"}
+    shapes["structured_output"] = (
+        extract | chat.with_structured_output(person),
+        {"t": "Alice is 30."},
+        0,
+    )
     return shapes
 
 
@@ -222,6 +230,7 @@ SHAPES = [
     "fallbacks",
     "retry",
     "configurable",
+    "structured_output",
 ]
 
 

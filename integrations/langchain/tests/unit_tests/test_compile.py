@@ -99,3 +99,18 @@ def test_models_under_fallbacks_retries_or_configurable_fields_are_found():
     # a fallback's server does not count: only the lowered steps' runs go anywhere
     other = ParrotLLM(base_url="http://127.0.0.1:10")
     assert compile_chain(PROMPT | LLM | PROMPT | LLM.with_fallbacks([other])).plan()
+
+
+def test_a_model_bound_to_tools_or_a_response_format_plans_as_a_client_step():
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+
+    chat = ChatParrot(base_url="http://127.0.0.1:9", temperature=0)
+    for chain in (PROMPT | chat.with_structured_output(Person), PROMPT | chat.bind_tools([Person])):
+        plan = compile_chain(chain).plan()
+        assert {s["where"] for s in plan["steps"]} == {"client"}  # as it runs: request-level
+        assert plan["requests"] == 0 and plan["round_trips"] == 0
+    plan = compile_chain(PROMPT | chat.bind(stop=["\n"], max_tokens=4)).plan()
+    assert plan["steps"] == [{"step": "ChatParrot", "where": "server"}]

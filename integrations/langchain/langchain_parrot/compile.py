@@ -183,12 +183,19 @@ class Tracer:
             run = self.runs.pop(call, None)
             if run is not None:
                 text = "".join(self.texts.get(call, []))
+                response = meta["response_metadata"]
+                info = {"finish_reason": response["finish_reason"]}
                 gen: Generation = (
-                    ChatGeneration(message=AIMessage(content=text, **meta))
+                    ChatGeneration(message=AIMessage(content=text, **meta), generation_info=info)
                     if isinstance(model.model, ChatParrot)
-                    else Generation(text=text)
+                    else Generation(text=text, generation_info=info)
                 )
-                await self._call(run.on_llm_end, LLMResult(generations=[[gen]]))
+                # as ChatParrot's and ParrotLLM's own results: usage in llm_output too
+                llm_output = {"model_name": response["model_name"]}
+                if "token_usage" in response:
+                    llm_output["token_usage"] = response["token_usage"]
+                result = LLMResult(generations=[[gen]], llm_output=llm_output)
+                await self._call(run.on_llm_end, result)
         elif kind == "call_failed":
             run = self.runs.pop(call, None)
             if run is not None:

@@ -255,6 +255,7 @@ class NativeServer:
                     failed = True
                     continue
                 value = f"gen({'|'.join(given)})"
+                values[out] = value
                 half = len(value) // 2
                 for piece in (value[:half], value[half:]):
                     token = {"call": call["name"], "variable": out, "text": piece}

@@ -169,3 +169,25 @@ def test_a_batch_gives_each_input_its_own_config_and_chain_run(server) -> None:
     [run] = server.bodies("/v1/runs")  # one server run for both
     budgets = [next(iter(c["outputs"].values()))["max_tokens"] for c in run["program"]["calls"]]
     assert budgets == [3, 8]
+
+
+def test_on_llm_end_of_a_lowered_step_carries_usage_as_the_models_own_does(server) -> None:
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from langchain_parrot import ParrotLLM
+
+    class Ends(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.results: list = []
+
+        def on_llm_end(self, response, **kw) -> None:
+            self.results.append(response)
+
+    ends = Ends()
+    llm = ParrotLLM(base_url=URL, temperature=0, max_tokens=8)
+    chain = compile_chain(PROMPT | chat() | StrOutputParser() | PROMPT | llm)
+    chain.invoke({"q": "a"}, config={"callbacks": [ends]})
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert [r.llm_output for r in ends.results] == [{"model_name": MODEL, "token_usage": usage}] * 2
+    for r in ends.results:
+        assert r.generations[0][0].generation_info == {"finish_reason": "stop"}

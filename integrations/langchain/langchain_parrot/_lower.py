@@ -445,6 +445,8 @@ class Lowering:
     def _message(message: BaseMessage) -> tuple[str, Text]:
         if message.type not in _ROLES or not isinstance(message.content, str):
             raise ClientStep
+        if message.name or (isinstance(message, AIMessage) and message.tool_calls):
+            raise ClientStep  # ChatParrot sends these fields, which a template cannot hold
         return message.type, Text((message.content,))
 
     # ------------------------------------------------------------------ calls

@@ -191,3 +191,19 @@ def test_on_llm_end_of_a_lowered_step_carries_usage_as_the_models_own_does(serve
     assert [r.llm_output for r in ends.results] == [{"model_name": MODEL, "token_usage": usage}] * 2
     for r in ends.results:
         assert r.generations[0][0].generation_info == {"finish_reason": "stop"}
+
+
+def test_history_with_tool_calls_or_names_is_sent_as_chat_parrot_sends_it(server) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.prompts import MessagesPlaceholder
+
+    prompt = ChatPromptTemplate.from_messages([MessagesPlaceholder("history"), ("user", "{q}")])
+    chain = compile_chain(prompt | chat() | StrOutputParser())
+    call = {"name": "add", "args": {"a": 1}, "id": "call_1"}
+    for history in ([AIMessage("", tool_calls=[call])], [HumanMessage("hi", name="ada")]):
+        server.requests.clear()
+        chain.invoke({"history": history, "q": "go on"})
+        posts = [p for p in server.paths if p.startswith("POST")]
+        assert posts == ["POST /v1/chat/completions"]  # request-level, as plain
+        [sent] = server.bodies("/v1/chat/completions")
+        assert "tool_calls" in sent["messages"][0] or sent["messages"][0]["name"] == "ada"

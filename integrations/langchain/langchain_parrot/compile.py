@@ -533,13 +533,15 @@ class CompiledChain(Runnable[Any, Any]):
 
     # ------------------------------------------------------------------ configs
     async def _server_info(self) -> None:
-        """What the server serves (`GET /v1/models`), once per server: the model ids, to
-        refuse an unknown one as its request-level route does, and the context length,
-        for a chat step that leaves max_tokens unset (the chat route then generates up to
-        the context)."""
+        """What the server serves (`GET /v1/models`), read once per server (and again for
+        a model it did not list): the model ids, to refuse an unknown one as its
+        request-level route does, and the context length, for a chat step that leaves
+        max_tokens unset (the chat route then generates up to the context)."""
         key = self.endpoint.url("")
         if key in _SERVED:
-            return
+            served = _SERVED[key]
+            if served is None or all(m.model.model in served for m in self.models):
+                return  # else read again: the server may have been restarted on another model
         url = self.endpoint.url("/v1/models")
         try:
             async with httpx.AsyncClient() as client:

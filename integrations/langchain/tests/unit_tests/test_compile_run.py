@@ -207,3 +207,12 @@ def test_history_with_tool_calls_or_names_is_sent_as_chat_parrot_sends_it(server
         assert posts == ["POST /v1/chat/completions"]  # request-level, as plain
         [sent] = server.bodies("/v1/chat/completions")
         assert "tool_calls" in sent["messages"][0] or sent["messages"][0]["name"] == "ada"
+
+
+def test_a_model_the_server_did_not_list_before_is_looked_up_again(server) -> None:
+    compile_module._SERVED[URL] = {"other-model": 2048}  # read before a restart
+    chain = compile_chain(PROMPT | chat() | StrOutputParser())
+    assert chain.invoke({"q": "a"}) == "gen(a)"
+    assert server.paths == ["GET /v1/models", "POST /v1/runs"]
+    chain.invoke({"q": "a"})
+    assert server.paths.count("GET /v1/models") == 1  # listed now: not read again

@@ -392,3 +392,48 @@ def test_a_detail_answered_after_the_streams_end_does_not_make_the_run_running(p
     seen = page.evaluate("() => window.__badges")
     first_done = next(i for i, (status, _) in enumerate(seen) if status == "done")
     assert all(status == "done" and cancel_off for status, cancel_off in seen[first_done:]), seen
+
+
+def test_names_of_200_characters_stay_inside_their_boxes(page, app):
+    """Call, input and output names may be 200 characters long: the DAG cuts them to its
+    boxes (the full name in a title), the cards wrap them; the page never gets wider."""
+    call, out, inp = "call_" + "W" * 195, "out_" + "m" * 196, "in_" + "q" * 197
+    app.engine.reply = lambda prompt: "z" * 500
+    spec = {
+        "program": {
+            "calls": [
+                {
+                    "name": call,
+                    "template": "A {{input:" + inp + "}} {{output:" + out + "}}",
+                    "outputs": {out: {"max_tokens": 500}},
+                },
+                {
+                    "name": "b",
+                    "template": "B {{input:" + out + "}} {{output:w}}",
+                    "outputs": {"w": {"max_tokens": 20}},
+                },
+            ]
+        },
+        "inputs": {inp: "hi"},
+    }
+    open_page(page, app.url)
+    start_run(page, spec)
+    wait_finished(page)
+    width = page.evaluate("() => [document.documentElement.scrollWidth, innerWidth]")
+    assert width[0] <= width[1], width
+    fits = page.evaluate(
+        """() => [...document.querySelectorAll('#dag text.call-name, #dag text.input-name')]
+          .map(t => [t.textContent, t.getComputedTextLength()])"""
+    )
+    assert all(px <= 190 - 20 for _, px in fits), fits
+    assert any(text.startswith("call_WWW") and text.endswith("…") for text, _ in fits)
+    labels = page.eval_on_selector_all(
+        "#dag text.edge-label", "ts => ts.map(t => t.getComputedTextLength())"
+    )
+    assert labels and max(labels) <= 64, labels
+    titles = page.eval_on_selector_all("#dag title", "ts => ts.map(t => t.textContent)")
+    assert call in titles and f"input {inp}" in titles
+    cards = page.eval_on_selector_all(
+        "#variables .variable", "vs => vs.map(v => v.scrollWidth <= v.clientWidth)"
+    )
+    assert cards == [True, True, True], cards

@@ -14,6 +14,23 @@ const PAD = 12;
 const MAX_EDGE_LABELS = 30;
 export const PREFIX_COLORS = ["#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#4b5563"];
 
+// Names cut to fit their boxes (SVG text neither wraps nor clips); the full name is in
+// a title. Measured once the SVG is in the page, only for names long enough to matter.
+function fitTexts(items) {
+  for (const [el, full, maxPx] of items) {
+    if (full.length <= 12 || el.getComputedTextLength() <= maxPx) continue;
+    let lo = 1;
+    let hi = full.length - 1;
+    while (lo < hi) {
+      const mid = Math.ceil((lo + hi) / 2);
+      el.textContent = `${full.slice(0, mid)}…`;
+      if (el.getComputedTextLength() <= maxPx) lo = mid;
+      else hi = mid - 1;
+    }
+    el.textContent = `${full.slice(0, lo)}…`;
+  }
+}
+
 function svg(tag, attrs = {}, text) {
   const el = document.createElementNS(SVG, tag);
   for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, String(v));
@@ -109,6 +126,7 @@ export class DagView {
     const root = svg("svg", { width, height: tallest + PAD * 2, class: "dag-svg",
                               role: "img", "aria-label": "DAG of the run's calls" });
     const edgeLayer = svg("g", { class: "edges" });
+    const toFit = [];  // [text element, full text, width it may take]
     root.append(edgeLayer);
     for (const e of edges) {
       const a = place.get(e.from);
@@ -123,8 +141,10 @@ export class DagView {
       path.append(svg("title", {}, e.label));
       edgeLayer.append(path);
       if (edges.length <= MAX_EDGE_LABELS) {
-        edgeLayer.append(svg("text", { x: mid, y: (y1 + y2) / 2 - 3, class: "edge-label",
-                                       "text-anchor": "middle" }, e.label));
+        const label = svg("text", { x: mid, y: (y1 + y2) / 2 - 3, class: "edge-label",
+                                    "text-anchor": "middle" }, e.label);
+        toFit.push([label, e.label, GAP_X - 6]);
+        edgeLayer.append(label);
       }
     }
     const colorOf = new Map(prefixes.prefixes.map((p, i) => [p.id, PREFIX_COLORS[i %
@@ -135,7 +155,9 @@ export class DagView {
       if (v.kind === "input") {
         g.setAttribute("class", "node input");
         g.append(svg("rect", { width: NODE_W, height: INPUT_H, rx: 14 }));
-        g.append(svg("text", { x: 12, y: 18, class: "input-name" }, `input ${v.name}`));
+        const label = svg("text", { x: 12, y: 18, class: "input-name" }, `input ${v.name}`);
+        toFit.push([label, `input ${v.name}`, NODE_W - 20]);
+        g.append(label, svg("title", {}, `input ${v.name}`));
         root.append(g);
         continue;
       }
@@ -152,6 +174,7 @@ export class DagView {
                                fill: colorOf.get(prefix) }, prefix));
       }
       const name = svg("text", { x: 14, y: 17, class: "call-name" }, v.name);
+      toFit.push([name, v.name, NODE_W - 14 - (prefix ? 36 : 8)]);
       const state = svg("text", { x: 14, y: 35, class: "call-state" }, "queued");
       const meta = svg("text", { x: 14, y: 52, class: "call-meta" }, "");
       const title = svg("title", {}, v.name);
@@ -160,6 +183,7 @@ export class DagView {
       this.nodes.set(v.name, { g, state, meta, title, info: { state: "queued" } });
     }
     this.container.replaceChildren(root);
+    fitTexts(toFit);
     this._legend(prefixes, colorOf);
   }
 

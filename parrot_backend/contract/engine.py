@@ -23,11 +23,21 @@ class TokenDelta:
     `text` may be empty (a token that ends mid-way through a UTF-8 character, or text
     held back because it could be the start of a stop string). The last delta has
     `finish_reason` set: "stop" (EOS, stop token or stop string) or "length".
+
+    With `SamplingParams.logprobs` set, `logprob` is the token's log probability and
+    `top_logprobs` the `logprobs` most likely tokens at its position as (token id,
+    logprob), most likely first: the model's log-softmax of the raw logits there (before
+    penalties, temperature, top-k/top-p and any grammar mask), for drafted tokens too
+    (their logits come from the step that checked them). The token that ends a
+    generation without being part of its text (EOS, a stop token id) has none, as in
+    OpenAI's answers. Otherwise both are None.
     """
 
     token_id: int | None
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ MAX_TOP_K = 1_000_000
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "lark")
 MAX_CONSTRAINT_CHARS = 1_000_000  # a grammar's source text; compiling more is a DoS vector
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,11 @@ class SamplingParams:
     # and by presence_penalty once if it was; both 0 leave the plain sampler path.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # log probabilities: None (off), or the number of top alternatives (0..MAX_LOGPROBS)
+    # returned with each generated token's own logprob (`TokenDelta.logprob`). They are
+    # the model's log-softmax of the raw logits at that position: before penalties,
+    # temperature, top-k/top-p and the grammar mask (OpenAI's and vLLM's default).
+    logprobs: StrictInt | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -150,6 +156,14 @@ class SamplingParams:
                 or not -MAX_PENALTY <= v <= MAX_PENALTY
             ):
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {v!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= min(MAX_LOGPROBS, vocab_size or MAX_LOGPROBS)
+        ):
+            raise InvalidRequest(
+                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequest("constraint must be a Constraint")

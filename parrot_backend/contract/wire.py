@@ -7,7 +7,9 @@
 - `POST /engine/generate` waits for the first token, so a bad request (unknown context,
   bad sampling, busy parent, no room) is an HTTP status like the other routes; then it
   streams **server-sent events**: one `data: {"token_id", "text", "finish_reason"}` frame
-  per `TokenDelta`, the last one with `finish_reason` set; a failure after that point is an
+  per `TokenDelta`, the last one with `finish_reason` set (with `sampling.logprobs` set,
+  a token's frame also has `"logprob"` and `"top_logprobs"`, a list of `[token_id,
+  logprob]` pairs, most likely first); a failure after that point is an
   `event: error` frame with the error body below. Comment lines (`: ping`) keep idle
   streams alive.
 - Errors: `{"error": {"type": <engine error class>, "message": ...}}` with the statuses of
@@ -182,9 +184,15 @@ def sse_frame(payload: dict[str, Any], event: str | None = None) -> bytes:
 
 def delta_frame(delta: TokenDelta) -> bytes:
     """The event of one generated delta."""
-    return sse_frame(
-        {"token_id": delta.token_id, "text": delta.text, "finish_reason": delta.finish_reason}
-    )
+    payload: dict[str, Any] = {
+        "token_id": delta.token_id,
+        "text": delta.text,
+        "finish_reason": delta.finish_reason,
+    }
+    if delta.logprob is not None:
+        payload["logprob"] = delta.logprob
+        payload["top_logprobs"] = [[t, lp] for t, lp in delta.top_logprobs or ()]
+    return sse_frame(payload)
 
 
 def error_frame(exc: EngineError) -> bytes:
@@ -195,7 +203,11 @@ def error_frame(exc: EngineError) -> bytes:
 
 def delta_from_json(payload: dict[str, Any]) -> TokenDelta:
     """The `TokenDelta` of a delta event's data."""
-    return TokenDelta(payload["token_id"], payload["text"], payload.get("finish_reason"))
+    delta = TokenDelta(payload["token_id"], payload["text"], payload.get("finish_reason"))
+    if payload.get("logprob") is not None:
+        delta.logprob = float(payload["logprob"])
+        delta.top_logprobs = [(int(t), float(lp)) for t, lp in payload.get("top_logprobs") or ()]
+    return delta
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, str]]:

@@ -61,6 +61,8 @@ class Engine(StepLoop):
     # joins the step that completes the fill (`scheduler.py`): the manager need not wait
     # for a prefix's fill before submitting the call that forks from it
     joins_forks = True
+    # `SamplingParams.logprobs` is honoured: deltas carry logprob and top_logprobs
+    supports_logprobs = True
 
     def __init__(
         self,

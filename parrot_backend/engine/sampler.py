@@ -16,6 +16,15 @@ Penalties (`presence_penalty`, `frequency_penalty`, OpenAI's definition) count t
 this sampler has picked, in a vocabulary-sized row made at the first penalized step; they
 are applied after the grammar mask and before temperature, top-k and top-p, greedy
 included. A sampler without penalties keeps no counts.
+
+Log probabilities (`SamplingParams.logprobs`, not None): each call also records, in
+`logprobs`, the picked token's log probability and the top `logprobs` alternatives, from
+the log-softmax of the logits row it was given, before the grammar mask, penalties,
+temperature, top-k and top-p (the model's own distribution, as OpenAI and vLLM report
+it). A row with drafts calls the sampler once per token it yields, on the logits of the
+step that checked them, so drafted tokens get the same numbers. The step loop empties the
+list before each step and hands its entries out with the tokens, in order. A sampler
+without logprobs does none of this work.
 """
 
 from __future__ import annotations
@@ -65,6 +74,19 @@ def grammar_masks(
     ]
 
 
+def token_logprobs(
+    logits: torch.Tensor, token: int, k: int
+) -> tuple[float, list[tuple[int, float]]]:
+    """`token`'s log probability under the log-softmax of a raw logits row, and the `k`
+    most likely tokens as (token id, logprob), most likely first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(lp, min(k, lp.numel()))
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(lp[token]), top
+
+
 class Sampler:
     """Picks the next token for one request; owns that request's random generator."""
 
@@ -75,6 +97,11 @@ class Sampler:
         self.banned: list[torch.Tensor] | GrammarError | None = None
         self.generator: torch.Generator | None = None
         self.counts: torch.Tensor | None = None  # tokens picked so far, with penalties only
+        # with logprobs: (logprob, [(token id, logprob)] top alternatives) per token picked
+        # in the current step, in order (`token_logprobs`)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
+            [] if params.logprobs is not None else None
+        )
         if not params.greedy:
             self.generator = torch.Generator()
             if params.seed is not None:
@@ -84,11 +111,19 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Its pick is the logits' argmax: greedy, no penalties, no constraint."""
-        return self.params.greedy and not self.params.penalized and self.grammar is None
+        """Its pick is the logits' argmax: greedy, no penalties, no constraint, no logprobs
+        (the batched argmax of a row with drafts skips the sampler)."""
+        p = self.params
+        return p.greedy and not p.penalized and self.grammar is None and p.logprobs is None
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Sample from a 1-D logits row (any float dtype)."""
+        token = self._sample(logits)
+        if self.logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, token, self.params.logprobs or 0))
+        return token
+
+    def _sample(self, logits: torch.Tensor) -> int:
         if self.grammar is not None:
             logits = self._constrain(logits)
         if not self.params.penalized:

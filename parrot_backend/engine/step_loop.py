@@ -384,6 +384,9 @@ class StepLoop:
     def _compute(self, batch: Batch, pausable: bool = False) -> list[StepResult] | Paused:
         """One step on the compute thread, with the thread count the tuner picks."""
         samplers = [s for s in batch.samplers if s is not None] + [s for _, _, s in batch.kept]
+        for s in samplers:
+            if s.logprobs:  # a retried step's rows sample again: this step's entries only
+                s.logprobs.clear()
         constrained = [s for s in samplers if s.grammar is not None]
         if constrained:  # one bitmask for every constrained row of the step (and its drafts)
             drafts = {id(s): d for s, d in zip(batch.samplers, batch.drafts, strict=True) if s}
@@ -505,9 +508,13 @@ class StepLoop:
         self.tokens_generated += 1
         finish = None
         grammar = req.sampler.grammar
+        # this token's entry of the step's logprobs (`Sampler.logprobs`), in order
+        entries = req.sampler.logprobs
+        logprob, top = entries.pop(0) if entries else (None, None)
         if token in req.eos_ids or token in p.stop_token_ids:
             text = req.detok.flush()
             finish = "stop"
+            logprob = top = None  # not part of the text: no entry (as OpenAI's)
         else:
             ctx.tokens.append(token)
             text = req.detok.add(token)
@@ -537,4 +544,4 @@ class StepLoop:
                 finish = "length"
         if finish is not None:
             self._finish(req)
-        req.out.put_nowait(TokenDelta(token, text, finish))
+        req.out.put_nowait(TokenDelta(token, text, finish, logprob, top))

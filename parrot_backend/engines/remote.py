@@ -79,6 +79,9 @@ def _local_tokenizer(source: str | os.PathLike):
 class RemoteEngine:
     """One remote engine (base URL + key) behind the `EngineClient` interface."""
 
+    # the engine's deltas carry `SamplingParams.logprobs` over the wire (`wire.delta_frame`)
+    supports_logprobs = True
+
     def __init__(
         self,
         base_url: str,
@@ -256,10 +259,13 @@ class RemoteEngine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling must be a SamplingParams")
         self._check_open()
+        wire_sampling = asdict(sampling)
+        if sampling.logprobs is None:  # (an engine from before logprobs refuses the field)
+            del wire_sampling["logprobs"]
         body = {
             "context_id": context_id,
             "parent_id": parent_id,
-            "sampling": asdict(sampling),
+            "sampling": wire_sampling,
             "salt": salt,
             "priority": priority,
         }

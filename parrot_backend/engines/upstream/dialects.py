@@ -11,13 +11,17 @@ Two request shapes cover the servers:
   on); presence and frequency penalties are passed on, over llama.cpp's window (the whole
   context with `repeat_last_n: -1`, prompt included, where OpenAI counts generated
   tokens only).
-  Constraints: `json_schema`, and `choice` as a GBNF grammar.
+  Constraints: `json_schema`, and `choice` as a GBNF grammar. Log probabilities
+  (`SamplingParams.logprobs`) are asked as `n_probs` with `post_sampling_probs` off, so
+  llama.cpp reports the softmax of the raw logits, as our engine does; each chunk's
+  `completion_probabilities` entries carry the token ids (`id`, `logprob`, `top_logprobs`).
 - **OpenAI completions** (`POST /v1/completions`: vLLM, SGLang, parrot-backend, any other):
   the prompt as token ids (every one of these accepts a list of ints), `max_tokens`,
   streamed with usage. vLLM also gets `return_token_ids` (each chunk's `token_ids`) and the
   salt as `cache_salt`; other servers' chunks carry text only, and the adapter
   re-tokenizes the text into the context when the generation ends. Constraints:
-  `json_schema` as `response_format`.
+  `json_schema` as `response_format`. No log probabilities: these servers key their
+  alternatives by text, not by id (the engine refuses them).
 
 A `Chunk` is what one streamed event adds: `(token id or None, text)` pairs, the finish
 reason once it is known, and prompt-cache usage when the server reports it.
@@ -44,6 +48,9 @@ class Chunk:
     finish: str | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # with logprobs asked (llama.cpp): per piece with a token id, in order, its logprob
+    # and top alternatives as (token id, logprob)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def request(
@@ -101,6 +108,10 @@ def _llama_body(prompt: list[int], s: SamplingParams, max_new: int, stream: bool
         body["repeat_last_n"] = -1
     if s.seed is not None:
         body["seed"] = s.seed % (2**32)  # llama.cpp seeds are 32-bit
+    if s.logprobs is not None:
+        # the raw logits' softmax (not the sampler's); n_probs 0 would return none at all
+        body["n_probs"] = max(s.logprobs, 1)
+        body["post_sampling_probs"] = False
     c = s.constraint
     if c is not None:
         if c.kind == "json_schema":
@@ -182,6 +193,9 @@ def _read_llama(p: dict[str, Any]) -> Chunk:
         chunk.pieces = [(int(t), "") for t in ids[:-1]] + [(int(ids[-1]), text)]
     elif text:
         chunk.pieces = [(None, text)]
+    probs = p.get("completion_probabilities")
+    if probs:
+        chunk.logprobs = [_llama_logprob(e) for e in probs]
     if p.get("stop"):
         chunk.finish = "length" if p.get("stop_type") == "limit" else "stop"
         timings = p.get("timings") or {}
@@ -189,6 +203,18 @@ def _read_llama(p: dict[str, Any]) -> Chunk:
             chunk.cached_tokens = int(timings.get("cache_n") or 0)
             chunk.prompt_tokens = int(timings["prompt_n"]) + chunk.cached_tokens
     return chunk
+
+
+def _llama_logprob(entry: Any) -> tuple[float, list[tuple[int, float]]]:
+    """One `completion_probabilities` entry as (logprob, [(token id, logprob)])."""
+    try:
+        top = [(int(t["id"]), float(t["logprob"])) for t in entry.get("top_logprobs") or ()]
+        return float(entry["logprob"]), top
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise InvalidRequest(
+            "the llama.cpp upstream returned log probabilities without token ids and "
+            "logprobs (a llama.cpp older than its `completion_probabilities` with ids?)"
+        ) from None
 
 
 def _read_openai(p: dict[str, Any]) -> Chunk:

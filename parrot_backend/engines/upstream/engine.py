@@ -32,6 +32,10 @@ llama.cpp, parrot-backend itself).
   adapter's requests in flight may take (prompt plus max new tokens).
 - **Priorities** are not sent (vLLM refuses them unless started with priority
   scheduling): the manager's own queue orders calls before they reach the upstream.
+- **Log probabilities** (`SamplingParams.logprobs`) pass through from llama.cpp, whose
+  `completion_probabilities` carry token ids and raw-logit logprobs (`dialects.py`); the
+  other kinds are refused (`InvalidRequest` naming the upstream): vLLM and SGLang key
+  their alternatives by token text, not by id.
 - **Salts** become vLLM's `cache_salt`; llama.cpp and SGLang have no equivalent, so
   their prefix caches are shared by every tenant whose prompts they see.
 
@@ -256,6 +260,19 @@ class UpstreamEngine:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    @property
+    def supports_logprobs(self) -> bool:
+        """llama.cpp returns logprobs by token id (`TokenDelta.top_logprobs`' form); the
+        OpenAI-compatible servers key them by token text: refused."""
+        return self.kind == dialects.LLAMA_CPP
+
+    @property
+    def logprobs_refusal(self) -> str:
+        return (
+            f"log probabilities are not available from the upstream engine ({self.kind} at "
+            f"{self.url}): it does not return them by token id (llama.cpp upstreams do)"
+        )
+
     def __repr__(self) -> str:
         return f"UpstreamEngine({self.url!r}, kind={self.kind!r}, model={self.info.model!r})"
 
@@ -318,6 +335,8 @@ class UpstreamEngine:
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest("sampling must be a SamplingParams")
         sampling.validate(self.vocab_size)
+        if sampling.logprobs is not None and not self.supports_logprobs:
+            raise InvalidRequest(self.logprobs_refusal)
         if parent_id is None and context_id not in self.tree.contexts:
             raise ContextNotFound(
                 f"unknown context {context_id!r}: generate continues an "
@@ -490,6 +509,7 @@ class UpstreamEngine:
             ctx,
             frozenset(sampling.stop_token_ids),
             frozenset() if sampling.ignore_eos else self.eos_ids,
+            sampling.logprobs,
         )
         try:
             async with self._open(url, body) as response:
@@ -593,8 +613,15 @@ def _agree(a: HttpTokenizer, b: HttpTokenizer) -> bool:
 class _Reading:
     """Turns a generation's chunks into `TokenDelta`s and keeps its context's tokens."""
 
-    def __init__(self, ctx: Context, stop_ids: frozenset[int], eos: frozenset[int]) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        stop_ids: frozenset[int],
+        eos: frozenset[int],
+        logprobs: int | None = None,
+    ) -> None:
         self.ctx, self.stop_ids, self.eos = ctx, stop_ids, eos
+        self.logprobs = logprobs  # top alternatives asked per token, None: none
         self.texts: list[str] = []  # text of pieces without ids: re-tokenized at the end
         self.generated = 0
         self.finish: str | None = None
@@ -602,25 +629,45 @@ class _Reading:
 
     def add(self, chunk: dialects.Chunk, tokenize: Any) -> list[TokenDelta]:
         pieces = chunk.pieces or ([(None, "")] if chunk.finish else [])
+        scores = self._scores(chunk)
         out = []
         for i, (tid, text) in enumerate(pieces):
             finish = chunk.finish if i == len(pieces) - 1 else None
+            logprob = top = None
             if tid is not None:
                 self.generated += 1
                 if tid in self.stop_ids:
                     self.finish, self.stopped_here = "stop", chunk.finish is None
                     out.append(TokenDelta(tid, "", "stop"))
                     break
+                if scores is not None:
+                    logprob, top = scores.pop(0)
+                    top = top[: self.logprobs]
                 if tid not in self.eos:
                     self.ctx.tokens.append(tid)
+                else:  # not part of the text: no entry (as the in-process engine's)
+                    logprob = top = None
             elif text:
                 self.texts.append(text)
             if finish is not None:
                 self.finish = finish
                 if self.texts:
                     self.ctx.tokens.extend(tokenize("".join(self.texts), data=True))
-            out.append(TokenDelta(tid, text, finish))
+            out.append(TokenDelta(tid, text, finish, logprob, top))
         return out
+
+    def _scores(self, chunk: dialects.Chunk) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """The chunk's logprobs, one per token id, when they were asked (their absence
+        is an error, not a silent None)."""
+        if self.logprobs is None:
+            return None
+        ids = sum(1 for tid, _ in chunk.pieces if tid is not None)
+        scores = list(chunk.logprobs or ())
+        if len(scores) < ids:
+            raise InvalidRequest(
+                f"the upstream returned {len(scores)} log probabilities for {ids} tokens"
+            )
+        return scores
 
 
 def _make_client(

@@ -1,0 +1,108 @@
+"""Log probabilities through upstream engines: llama.cpp's `completion_probabilities`
+(token ids and raw-logit logprobs) pass through; the OpenAI-compatible kinds, which key
+alternatives by text, are refused with a 400 naming the upstream."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from parrot_backend.contract.errors import InvalidRequest
+from parrot_backend.contract.sampling import SamplingParams
+from parrot_backend.engines.upstream import UpstreamEngine
+from parrot_backend.server import ServerSettings, create_app
+
+from .fake_upstream import EOS, CharTokenizer, FakeUpstream
+
+
+class ScoringUpstream(FakeUpstream):
+    """llama.cpp that answers `n_probs` as recent versions do: per token its id, logprob
+    and the `n_probs` most likely (here: the token itself, then the next characters)."""
+
+    def _sse(self, events: list[dict], done: bool) -> httpx.Response:
+        n = self.requests[-1][1].get("n_probs") if self.requests else None
+        if n:
+            for e in events:
+                if e.get("tokens"):
+                    t = e["tokens"][0]
+                    top = [
+                        {"id": t + i, "token": chr(t + i), "logprob": -0.5 * (i + 1)}
+                        for i in range(n)
+                    ]
+                    e["completion_probabilities"] = [
+                        {
+                            "id": t,
+                            "token": chr(t),
+                            "logprob": -0.5,
+                            "bytes": [t],
+                            "top_logprobs": top,
+                        }
+                    ]
+        return super()._sse(events, done)
+
+
+async def connect(fake: FakeUpstream) -> UpstreamEngine:
+    kw = {} if fake.kind == "llama.cpp" else {"tokenizer": CharTokenizer()}
+    return await UpstreamEngine.connect(
+        "http://up:1/v1", transport=fake.transport(), sync_transport=fake.sync_transport(), **kw
+    )
+
+
+async def _generate(engine: UpstreamEngine, **sampling) -> list:
+    await engine.fill("c", None, [ord(c) for c in "hi"])
+    try:
+        return [d async for d in engine.generate("c", None, SamplingParams(**sampling))]
+    finally:
+        await engine.free("c")
+
+
+async def test_llama_cpp_logprobs_pass_through_by_token_id() -> None:
+    fake = ScoringUpstream()
+    fake.script = lambda prompt, n: [ord("a"), ord("b"), ord(EOS)][:n]
+    async with await connect(fake) as engine:
+        assert engine.supports_logprobs
+        deltas = await _generate(engine, max_tokens=5, logprobs=2)
+        body = fake.requests[-1][1]
+        assert body["n_probs"] == 2 and body["post_sampling_probs"] is False
+        a, b = deltas[0], deltas[1]
+        assert (a.token_id, a.logprob, a.top_logprobs) == (97, -0.5, [(97, -0.5), (98, -1.0)])
+        assert (b.token_id, b.logprob, b.top_logprobs) == (98, -0.5, [(98, -0.5), (99, -1.0)])
+        eos = [d for d in deltas if d.token_id == ord(EOS)]
+        assert eos and all(d.logprob is None for d in eos)  # not part of the text
+        # logprobs=0: llama.cpp is asked for one (0 means none there), none is listed
+        deltas = await _generate(engine, max_tokens=2, logprobs=0, ignore_eos=True)
+        assert fake.requests[-1][1]["n_probs"] == 1
+        assert [(d.logprob, d.top_logprobs) for d in deltas if d.token_id] == [(-0.5, [])] * 2
+        # not asked: nothing sent, nothing returned
+        deltas = await _generate(engine, max_tokens=2, ignore_eos=True)
+        assert "n_probs" not in fake.requests[-1][1]
+        assert all(d.logprob is None for d in deltas)
+
+
+async def test_a_llama_cpp_that_returns_no_logprobs_is_an_error_not_a_silent_none() -> None:
+    fake = FakeUpstream()  # answers without completion_probabilities
+    async with await connect(fake) as engine:
+        with pytest.raises(InvalidRequest, match="log probabilities"):
+            await _generate(engine, max_tokens=3, logprobs=1)
+
+
+async def test_openai_compatible_upstreams_refuse_logprobs_naming_themselves() -> None:
+    fake = FakeUpstream("vllm")
+    async with await connect(fake) as engine:
+        assert not engine.supports_logprobs
+        with pytest.raises(
+            InvalidRequest, match=f"upstream engine \\({engine.kind} at http://up:1"
+        ):
+            await _generate(engine, max_tokens=3, logprobs=1)
+        app = create_app(engine, settings=ServerSettings())
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            r = await client.post(
+                "/v1/completions",
+                json={"model": engine.model_name, "prompt": "hi", "logprobs": 1},
+            )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "logprobs" and f"{engine.kind} at http://up:1" in error["message"]
+        assert fake.requests == [] or all("logprobs" not in b for _, b in fake.requests)

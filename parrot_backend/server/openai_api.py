@@ -12,14 +12,17 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..contract.engine import TokenDelta
 from ..contract.sampling import SamplingParams
 from .errors import APIError
 from .generation import RequestRun
+from .openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, has_logprob
 from .openai_prep import (
     build_sampling,
     chat_prompt,
     check_common,
     completion_prompt,
+    logprobs_of,
     resolve_max_tokens,
 )
 from .openai_schemas import (
@@ -146,16 +149,22 @@ async def until_disconnect(
     return disconnected, result
 
 
-async def _collect(run: RequestRun, request: Request) -> list[str] | None:
-    """Run every choice to the end; None when the client disconnected first."""
+async def _collect(
+    run: RequestRun, request: Request
+) -> tuple[list[str], list[list[TokenDelta]]] | None:
+    """Run every choice to the end: each one's text, and its deltas that carry log
+    probabilities (none unless asked); None when the client disconnected first."""
     texts: list[list[str]] = [[] for _ in range(run.n)]
+    scored: list[list[TokenDelta]] = [[] for _ in range(run.n)]
 
     async def drain() -> None:
         async for index, delta in run:
             texts[index].append(delta.text)
+            if has_logprob(delta):
+                scored[index].append(delta)
 
     disconnected, _ = await until_disconnect(request, drain)
-    return None if disconnected else ["".join(t) for t in texts]
+    return None if disconnected else (["".join(t) for t in texts], scored)
 
 
 def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
@@ -177,8 +186,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     started = time.perf_counter()
     n = check_common(state, body)
     prompt_ids, prompt_text = await completion_prompt(state, body)
+    logprobs = logprobs_of(state, body)
     max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
-    sampling = build_sampling(state, body, max_tokens)
+    sampling = build_sampling(state, body, max_tokens, logprobs=logprobs)
     run = await _admit(
         state, request, prompt_ids, sampling, n, "completions", started, bool(body.stream)
     )
@@ -190,18 +200,26 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
         "model": state.model_name,
     }
     echo = prompt_text if body.echo else ""
+    token_texts = TokenTexts(state.engine) if logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(state, completion_events(run, meta, echo, include_usage), run)
+        events = completion_events(run, meta, echo, include_usage, token_texts)
+        return _sse(state, events, run)
     try:
-        texts = await _collect(run, request)
+        collected = await _collect(run, request)
     finally:
         await run.close()
-    if texts is None:
+    if collected is None:
         return Response(status_code=499)  # nobody is listening
+    texts, scored = collected
     choices = [
-        CompletionChoice(index=i, text=echo + t, finish_reason=run.finish_reasons[i])
-        for i, t in enumerate(texts)
+        CompletionChoice(
+            index=i,
+            text=echo + t,
+            logprobs=None if token_texts is None else CompletionOffsets(token_texts).take(s),
+            finish_reason=run.finish_reasons[i],
+        )
+        for i, (t, s) in enumerate(zip(texts, scored, strict=True))
     ]
     return CompletionResponse(**meta, choices=choices, usage=usage_of(run))
 
@@ -216,12 +234,13 @@ async def create_chat_completion(
     started = time.perf_counter()
     n = check_common(state, body)
     plan = await chat_prompt(state, body)
+    logprobs = logprobs_of(state, body)
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(state, requested, len(plan.prompt_ids), param)
-    sampling = build_sampling(state, body, max_tokens, plan.constraint)
+    sampling = build_sampling(state, body, max_tokens, plan.constraint, logprobs)
     run = await _admit(
         state, request, plan.prompt_ids, sampling, n, "chat", started, bool(body.stream)
     )
@@ -232,17 +251,21 @@ async def create_chat_completion(
         "created": int(time.time()),
         "model": state.model_name,
     }
+    token_texts = TokenTexts(state.engine) if logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(state, chat_events(run, meta, include_usage, plan.parse_tools), run)
+        events = chat_events(run, meta, include_usage, plan.parse_tools, token_texts)
+        return _sse(state, events, run)
     try:
-        texts = await _collect(run, request)
+        collected = await _collect(run, request)
     finally:
         await run.close()
-    if texts is None:
+    if collected is None:
         return Response(status_code=499)
+    texts, scored = collected
     choices = []
     for i, text in enumerate(texts):
         message, finish = chat_message(text, run.finish_reasons[i], plan.parse_tools)
-        choices.append(ChatChoice(index=i, message=message, finish_reason=finish))
+        lp = None if token_texts is None else chat_logprobs(token_texts, scored[i])
+        choices.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=finish))
     return ChatCompletionResponse(**meta, choices=choices, usage=usage_of(run))

@@ -126,8 +126,36 @@ def resolve_max_tokens(
     return requested
 
 
+def logprobs_of(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The top alternatives asked per token (`SamplingParams.logprobs`), None when no log
+    probabilities are asked; 400 when the engine cannot return them."""
+    if isinstance(body, ChatCompletionRequest):
+        if not body.logprobs:
+            if body.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+            return None
+        k = body.top_logprobs or 0
+    else:
+        if body.logprobs is None:
+            return None
+        if body.echo:
+            raise unsupported("echo", "echo with logprobs (the prompt's logprobs) is not supported")
+        k = body.logprobs
+    if not getattr(state.engine, "supports_logprobs", False):
+        why = getattr(state.engine, "logprobs_refusal", None) or (
+            f"the engine this server runs on ({type(state.engine).__name__}) "
+            "does not return log probabilities"
+        )
+        raise unsupported("logprobs", why)
+    return k
+
+
 def build_sampling(
-    state: ServerState, body: _SamplingFields, max_tokens: int, constraint: Constraint | None = None
+    state: ServerState,
+    body: _SamplingFields,
+    max_tokens: int,
+    constraint: Constraint | None = None,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -140,6 +168,7 @@ def build_sampling(
         constraint=constraint,
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
+        logprobs=logprobs,
     )
     try:
         params.validate(state.vocab_size)
@@ -175,8 +204,6 @@ def check_token_ids(state: ServerState, ids: list[int]) -> None:
 
 async def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
     """Prompt token ids and the prompt text (for echo)."""
-    if body.logprobs is not None:
-        raise unsupported("logprobs", "log probabilities are not implemented")
     if body.best_of is not None and body.best_of != 1:
         raise unsupported("best_of", "use n instead")
     if body.suffix:
@@ -362,8 +389,6 @@ def _constraint(
 
 async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
     """The prompt and decoding plan of a chat request (400s name the bad parameter)."""
-    if body.logprobs or body.top_logprobs:
-        raise unsupported("logprobs", "log probabilities are not implemented")
     template = state.chat_template
     if body.chat_template is not None:
         if not state.settings.allow_request_chat_template:

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from ..contract.errors import EngineError
 from ..engine.grammar_tools import Event, ToolCallParser, parse_tool_calls
 from .errors import APIError, from_engine_error
 from .generation import RequestRun
+from .openai_logprobs import CompletionOffsets, TokenTexts, chat_entries, has_logprob
 from .openai_schemas import (
     AssistantMessage,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
+    ChoiceLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     FunctionCallOut,
     FunctionDelta,
     ToolCallDelta,
@@ -53,19 +57,37 @@ def error_frame(exc: Exception) -> bytes:
 
 
 async def completion_events(
-    run: RequestRun, meta: dict, echo: str, include_usage: bool
+    run: RequestRun,
+    meta: dict,
+    echo: str,
+    include_usage: bool,
+    token_texts: TokenTexts | None = None,
 ) -> AsyncIterator[bytes]:
+    """With `token_texts` (logprobs asked), each chunk carries the logprobs of its
+    choice's tokens since that choice's previous chunk (`openai_logprobs`)."""
     echoed: set[int] = set()
+    offsets = [CompletionOffsets(token_texts) for _ in range(run.n)] if token_texts else None
+    pending: list[list] = [[] for _ in range(run.n)]
+
+    def take(index: int) -> CompletionLogprobs | None:
+        if offsets is None:
+            return None
+        out = offsets[index].take(pending[index])
+        pending[index] = []
+        return out
+
     try:
         async for index, delta in run:
             text = delta.text
             if echo and index not in echoed:
                 echoed.add(index)
                 text = echo + text
+            if offsets is not None and has_logprob(delta):
+                pending[index].append(delta)
             if text:
-                yield _completion_chunk(meta, index, text, None)
+                yield _completion_chunk(meta, index, text, None, take(index))
             if delta.finish_reason is not None:
-                yield _completion_chunk(meta, index, "", delta.finish_reason)
+                yield _completion_chunk(meta, index, "", delta.finish_reason, take(index))
         if include_usage:
             yield data_frame(
                 CompletionChunk(**meta, choices=[], usage=usage_of(run)).model_dump(mode="json")
@@ -78,10 +100,11 @@ async def completion_events(
         await run.close()
 
 
-def _completion_chunk(meta: dict, index: int, text: str, finish: str | None) -> bytes:
-    chunk = CompletionChunk(
-        **meta, choices=[CompletionChoice(index=index, text=text, finish_reason=finish)]
-    )
+def _completion_chunk(
+    meta: dict, index: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None
+) -> bytes:
+    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
+    chunk = CompletionChunk(**meta, choices=[choice])
     return data_frame(chunk.model_dump(mode="json"))
 
 
@@ -114,13 +137,20 @@ def chat_message(
     )
 
 
-def _tool_deltas(meta: dict, index: int, events: list[Event], ids: dict[int, str]) -> list[bytes]:
+def _tool_deltas(
+    meta: dict,
+    index: int,
+    events: list[Event],
+    ids: dict[int, str],
+    logprobs: Callable[[], ChoiceLogprobs | None] = lambda: None,
+) -> list[bytes]:
     """Chunks for what a parser found: content as content, each call's first delta with
-    its id and name, then its arguments as they grow."""
+    its id and name, then its arguments as they grow; `logprobs()`: the entries the next
+    chunk carries."""
     out = []
     for kind, call, text in events:
         if kind == "content":
-            out.append(_chat_chunk(meta, index, ChatDelta(content=text), None))
+            out.append(_chat_chunk(meta, index, ChatDelta(content=text), None, logprobs()))
             continue
         if kind == "call":
             ids[call] = new_call_id()
@@ -132,35 +162,54 @@ def _tool_deltas(meta: dict, index: int, events: list[Event], ids: dict[int, str
             )
         else:
             part = ToolCallDelta(index=call, function=FunctionDelta(arguments=text))
-        out.append(_chat_chunk(meta, index, ChatDelta(tool_calls=[part]), None))
+        out.append(_chat_chunk(meta, index, ChatDelta(tool_calls=[part]), None, logprobs()))
     return out
 
 
 async def chat_events(
-    run: RequestRun, meta: dict, include_usage: bool, parse_tools: bool = False
+    run: RequestRun,
+    meta: dict,
+    include_usage: bool,
+    parse_tools: bool = False,
+    token_texts: TokenTexts | None = None,
 ) -> AsyncIterator[bytes]:
+    """With `token_texts` (logprobs asked), a chunk carries the logprobs of its choice's
+    tokens since that choice's previous chunk that carried any (`openai_logprobs`): the
+    tokens of a tool call's text go with the chunks the parser makes of it."""
     parsers = [ToolCallParser() for _ in range(run.n)] if parse_tools else None
     ids: list[dict[int, str]] = [{} for _ in range(run.n)]
+    pending: list[list] = [[] for _ in range(run.n)]
+
+    def take(index: int) -> ChoiceLogprobs | None:
+        if not pending[index]:
+            return None
+        entries = chat_entries(token_texts, pending[index])
+        pending[index] = []
+        return ChoiceLogprobs(content=entries)
+
     try:
         # The first delta of each choice carries the role, as OpenAI's does.
         for index in range(run.n):
             yield _chat_chunk(meta, index, ChatDelta(role="assistant", content=""), None)
         async for index, delta in run:
+            if token_texts is not None and has_logprob(delta):
+                pending[index].append(delta)
             if parsers is None:
                 if delta.text:
-                    yield _chat_chunk(meta, index, ChatDelta(content=delta.text), None)
+                    yield _chat_chunk(meta, index, ChatDelta(content=delta.text), None, take(index))
                 if delta.finish_reason is not None:
-                    yield _chat_chunk(meta, index, ChatDelta(), delta.finish_reason)
+                    yield _chat_chunk(meta, index, ChatDelta(), delta.finish_reason, take(index))
                 continue
             parser = parsers[index]
+            lp = partial(take, index)
             if delta.text:
-                for chunk in _tool_deltas(meta, index, parser.feed(delta.text), ids[index]):
+                for chunk in _tool_deltas(meta, index, parser.feed(delta.text), ids[index], lp):
                     yield chunk
             if delta.finish_reason is not None:
-                for chunk in _tool_deltas(meta, index, parser.finish(), ids[index]):
+                for chunk in _tool_deltas(meta, index, parser.finish(), ids[index], lp):
                     yield chunk
                 finish = tool_finish(delta.finish_reason, bool(parser.calls))
-                yield _chat_chunk(meta, index, ChatDelta(), finish)
+                yield _chat_chunk(meta, index, ChatDelta(), finish, take(index))
         if include_usage:
             yield data_frame(
                 ChatCompletionChunk(**meta, choices=[], usage=usage_of(run)).model_dump(mode="json")
@@ -173,8 +222,13 @@ async def chat_events(
         await run.close()
 
 
-def _chat_chunk(meta: dict, index: int, delta: ChatDelta, finish: str | None) -> bytes:
-    chunk = ChatCompletionChunk(
-        **meta, choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]
-    )
+def _chat_chunk(
+    meta: dict,
+    index: int,
+    delta: ChatDelta,
+    finish: str | None,
+    logprobs: ChoiceLogprobs | None = None,
+) -> bytes:
+    choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
+    chunk = ChatCompletionChunk(**meta, choices=[choice])
     return data_frame(chunk.model_dump(mode="json"))

@@ -1,0 +1,283 @@
+"""Log probabilities on the OpenAI routes, through the official client, on the real engine
+(tiny random Llama, drafts on as on any CPU): completions' `{tokens, token_logprobs,
+top_logprobs, text_offset}` and chat's `{content: [{token, logprob, bytes,
+top_logprobs}]}`, streamed and not, n=2, JSON mode and tool calls, and over a remote
+engine. The numbers are checked against transformers' log-softmax."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from parrot_backend.server import ServerSettings, create_app
+
+pytestmark = pytest.mark.timeout(240)
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from parrot_backend.engine.engine import Engine
+
+    return Engine.from_pretrained(
+        tiny_model_dir, num_blocks=256, progress=False, device="cpu", dtype="float32"
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+    def greedy(prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """transformers' greedy tokens and the log-softmax at each of their positions."""
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1]
+        return ids[len(prompt) :], torch.log_softmax(logits, -1)
+
+    return greedy
+
+
+def _client(app) -> openai.AsyncOpenAI:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return openai.AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http)
+
+
+@pytest.fixture
+async def client(engine):
+    await engine.start()
+    try:
+        yield _client(create_app(engine, settings=ServerSettings()))
+    finally:
+        await engine.stop()
+    assert engine.contexts == {}
+
+
+PROMPT = "The parrot said"
+MESSAGES = [{"role": "user", "content": "Name a parrot."}]
+
+
+def _greedy_completion_kw(engine, **kw):
+    return {
+        "model": engine.model_name,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+        **kw,
+    }
+
+
+async def test_completions_logprobs_match_transformers_and_the_stream(client, engine, reference):
+    kw = _greedy_completion_kw(engine, logprobs=3, n=2)
+    r = await client.completions.create(**kw)
+    tokens, lps = reference(engine.tokenize(PROMPT), 8)
+    texts = [engine.detokenize([t]) for t in tokens]
+    assert r.usage.completion_tokens == 16
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert lp.tokens == texts
+        assert lp.token_logprobs == pytest.approx(
+            [float(lps[i, t]) for i, t in enumerate(tokens)], abs=ATOL
+        )
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(8)]
+        assert lp.text_offset == offsets
+        for i, top in enumerate(lp.top_logprobs):
+            # the top 3 by text (greedy: the chosen token is the first of them)
+            want = torch.topk(lps[i], 3)
+            assert list(top.values()) == pytest.approx(want.values.tolist(), abs=ATOL)
+            assert top[texts[i]] == pytest.approx(lp.token_logprobs[i], abs=ATOL)
+            assert max(top.values()) == top[texts[i]]
+    # streamed: each chunk carries its tokens' entries, and they add up to the same
+    stream = await client.completions.create(**kw, stream=True)
+    got = {0: {"tokens": [], "token_logprobs": [], "text_offset": [], "top": []}, 1: None}
+    got[1] = {k: [] for k in got[0]}
+    text = {0: "", 1: ""}
+    async for chunk in stream:
+        for c in chunk.choices:
+            text[c.index] += c.text
+            assert c.logprobs is not None
+            got[c.index]["tokens"] += c.logprobs.tokens
+            got[c.index]["token_logprobs"] += c.logprobs.token_logprobs
+            got[c.index]["text_offset"] += c.logprobs.text_offset
+            got[c.index]["top"] += c.logprobs.top_logprobs
+    for choice in r.choices:
+        g = got[choice.index]
+        assert text[choice.index] == choice.text
+        assert g["tokens"] == choice.logprobs.tokens
+        assert g["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=ATOL)
+        assert g["text_offset"] == choice.logprobs.text_offset
+        assert [list(t) for t in g["top"]] == [list(t) for t in choice.logprobs.top_logprobs]
+
+
+async def test_completions_without_logprobs_say_null(client, engine):
+    r = await client.completions.create(**_greedy_completion_kw(engine))
+    assert r.choices[0].logprobs is None
+
+
+async def test_chat_logprobs_n2_streamed_and_not(client, engine):
+    kw = {
+        "model": engine.model_name,
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "n": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    r = await client.chat.completions.create(**kw)
+    assert r.usage.completion_tokens == 16
+    for choice in r.choices:
+        content = choice.logprobs.content
+        assert len(content) == 8
+        for entry in content:
+            assert entry.logprob <= 0
+            assert entry.bytes == list(entry.token.encode("utf-8"))
+            assert len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].token == entry.token  # greedy: the argmax
+            assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=ATOL)
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        joined = "".join(e.token for e in content)
+        if "\ufffd" not in joined:  # (a token alone may end inside a character)
+            assert joined == choice.message.content
+    # the two greedy choices are the same tokens
+    first, second = (c.logprobs.content for c in r.choices)
+    assert [e.token for e in first] == [e.token for e in second]
+    stream = await client.chat.completions.create(**kw, stream=True)
+    streamed: dict[int, list] = {0: [], 1: []}
+    async for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed[c.index] += c.logprobs.content
+    for choice in r.choices:
+        want = [(e.token, round(e.logprob, 4)) for e in choice.logprobs.content]
+        got = [(e.token, round(e.logprob, 4)) for e in streamed[choice.index]]
+        assert got == want
+
+
+async def test_sampled_chat_choices_have_their_own_logprobs(client, engine):
+    r = await client.chat.completions.create(
+        model=engine.model_name,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
+    for choice in r.choices:
+        assert len(choice.logprobs.content) == 10
+        assert all(e.top_logprobs == [] and e.logprob <= 0 for e in choice.logprobs.content)
+
+
+async def test_json_mode_and_tool_calls_carry_the_logprobs_of_their_tokens(client, engine):
+    base = {"model": engine.model_name, "messages": MESSAGES, "temperature": 0, "logprobs": True}
+    r = await client.chat.completions.create(
+        **base, max_tokens=30, response_format={"type": "json_object"}, top_logprobs=1
+    )
+    content = r.choices[0].logprobs.content
+    # every generated token but an EOS that ended it has its entry
+    eos = 1 if r.choices[0].finish_reason == "stop" else 0
+    assert r.usage.completion_tokens - eos <= len(content) <= r.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 1 for e in content)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        }
+    ]
+    kw = {**base, "max_tokens": 40, "tools": tools, "tool_choice": "required"}
+    r = await client.chat.completions.create(**kw)
+    assert r.choices[0].message.tool_calls
+    entries = r.choices[0].logprobs.content
+    assert len(entries) >= r.usage.completion_tokens - 1
+    stream = await client.chat.completions.create(**kw, stream=True)
+    streamed, calls = [], 0
+    async for chunk in stream:
+        for c in chunk.choices:
+            calls += bool(c.delta.tool_calls)
+            if c.logprobs is not None:
+                streamed += c.logprobs.content
+    assert calls > 0
+    assert [e.token for e in streamed] == [e.token for e in entries]
+
+
+async def test_logprobs_requests_that_are_refused(client, engine):
+    model = engine.model_name
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        await client.chat.completions.create(model=model, messages=MESSAGES, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        await client.completions.create(model=model, prompt=PROMPT, logprobs=1, echo=True)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=model, prompt=PROMPT, logprobs=21)
+
+
+async def test_an_engine_without_logprobs_is_a_400_naming_it():
+    from parrot_backend.testing.fake_engine import FakeEngine
+
+    fake = FakeEngine()
+    client = _client(create_app(fake, settings=ServerSettings()))
+    with pytest.raises(openai.BadRequestError, match="FakeEngine.*log probabilities"):
+        await client.chat.completions.create(
+            model=fake.model_name, messages=MESSAGES, logprobs=True
+        )
+
+
+async def test_logprobs_over_a_remote_engine(engine, tiny_model_dir, reference):
+    """The engine API carries them (`wire.delta_frame`): a server on a RemoteEngine answers
+    with the numbers the engine computed."""
+    from parrot_backend.contract.sampling import SamplingParams
+    from parrot_backend.engines.remote import RemoteEngine
+    from parrot_backend.server.engine_api import create_engine_app
+
+    key = "sk-logprobs"
+    async with engine:
+        app = create_engine_app(engine, api_key=key)
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://e",
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        info = (await http.get("/engine/info")).json()
+        remote = RemoteEngine(
+            "http://e", api_key=key, info=info, tokenizer=engine.tokenizer, client=http
+        )
+        prompt = engine.tokenize(PROMPT)
+        await remote.fill("r", None, prompt)
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4)
+        deltas = [d async for d in remote.generate("r", None, sampling)]
+        tokens, lps = reference(prompt, 6)
+        assert [d.token_id for d in deltas] == tokens
+        for i, d in enumerate(deltas):
+            assert d.logprob == pytest.approx(float(lps[i, d.token_id]), abs=ATOL)
+            assert [t for t, _ in d.top_logprobs] == torch.topk(lps[i], 4).indices.tolist()
+        await remote.free("r")
+        # and the OpenAI route on top of it
+        client = _client(create_app(remote, settings=ServerSettings()))
+        r = await client.chat.completions.create(
+            model=remote.model_name,
+            messages=MESSAGES,
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"ignore_eos": True},
+        )
+        assert len(r.choices[0].logprobs.content) == 5
+        assert json.loads(r.model_dump_json())["choices"][0]["logprobs"]["content"][0]["bytes"]
+        await http.aclose()
+    assert engine.contexts == {}

@@ -99,7 +99,7 @@ async def start_workflow(
 
 @router.post("/runs/{run_id}/replay", response_model=RunCreated, status_code=201)
 async def replay_run(
-    run_id: RunIdPath, body: ReplayRequest, rt: RuntimeDep, tenant: TenantDep
+    run_id: RunIdPath, rt: RuntimeDep, tenant: TenantDep, body: ReplayRequest | None = None
 ) -> RunCreated:
     """Run a past run's program again: its inputs, with `inputs` merged over them, and
     the objectives the past run ended with: the outputs it was created with, and what its
@@ -114,14 +114,23 @@ async def replay_run(
         for n, v in detail.variables.items()
         if v.producer_call is None and v.status == "ready"
     }
+    body = body or ReplayRequest()
     unknown = [n for n in body.inputs if n not in given and n not in detail.variables]
     if unknown:
         raise APIError(400, f"run {run_id} has no input(s) {unknown}", code="unknown_variable")
     stated = {**detail.run.objectives, **detail.run.waits}  # later statements win
     outputs = {n: c for n, c in stated.items() if n in detail.variables}
     spec = _spec(detail.program, {**given, **body.inputs}, outputs)
+    wf = None
+    if detail.run.workflow_id is not None:  # a run of a workflow: its replay is one too
+        wf = await asyncio.to_thread(rt.store.workflow_by_id, tenant_id, detail.run.workflow_id)
     with client_errors():
         new_id = await rt.create_run(
             tenant, spec, workflow_id=detail.run.workflow_id, replay_of=run_id
         )
-    return RunCreated(run_id=new_id, replay_of=run_id)
+    return RunCreated(
+        run_id=new_id,
+        replay_of=run_id,
+        workflow=wf.name if wf else None,
+        version=wf.version if wf else None,
+    )

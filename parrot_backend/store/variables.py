@@ -127,12 +127,18 @@ class VariablesMixin(StoreBase):
             return names
 
     def fail_variable(self, run_id: str, name: str, error: str) -> bool:
-        """Mark a pending variable failed (its producer gave up); True when it changed."""
+        """Mark a variable failed with `error` (its producer gave up); True when it changed:
+        it was pending, or failed with another error (`fail_call` fails a call's outputs
+        with the call's error; the manager's `variable_failed` that follows names why,
+        and is recorded once: the same event again, after a restart, changes nothing)."""
         with self._write() as s:
             result = s.execute(
                 update(Variable)
                 .where(
-                    Variable.run_id == run_id, Variable.name == name, Variable.status == "pending"
+                    Variable.run_id == run_id,
+                    Variable.name == name,
+                    (Variable.status == "pending")
+                    | ((Variable.status == "failed") & (Variable.error.is_distinct_from(error))),
                 )
                 .values(status="failed", error=error, set_at=utcnow())
                 .execution_options(synchronize_session=False)

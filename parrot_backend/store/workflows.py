@@ -67,6 +67,14 @@ class WorkflowsMixin(StoreBase):
                 raise NotFoundError(f"no workflow {name!r} ({which})")
             return workflow_record(wf)
 
+    def workflow_by_id(self, tenant_id: int, workflow_id: int) -> WorkflowRecord:
+        """The workflow version stored under ``workflow_id`` (a run's `workflow_id`)."""
+        with self._read() as s:
+            wf = s.get(Workflow, workflow_id)
+            if wf is None or wf.tenant_id != tenant_id:
+                raise NotFoundError(f"no workflow {workflow_id}")
+            return workflow_record(wf)
+
     def list_workflows(self, tenant_id: int, name: str | None = None) -> list[WorkflowRecord]:
         """All workflow versions of a tenant (or of one name), by name then version."""
         query = select(Workflow).where(Workflow.tenant_id == tenant_id)

@@ -170,6 +170,17 @@ async def test_failed_call_fails_its_variable(tmp_path) -> None:
         assert detail["run"]["status"] == "failed"
         assert detail["variables"]["z"]["status"] == "failed"
         assert [k["status"] for k in detail["calls"]] == ["done", "failed"]
+        # the stored log has the variable's failure once, after its call's (it was dropped:
+        # the call's failure had already marked the variable failed)
+        tenant = await rt.tenant_id("alice")
+        stored = [(e.type, e.payload) for e in rt.store.read_events(tenant, rid)]
+        kinds = [t for t, _ in stored]
+        assert kinds.count("variable_failed") == 1
+        order = [kinds.index(k) for k in ("call_failed", "variable_failed", "run_finished")]
+        assert order == sorted(order)
+        [failed] = [q for t, q in stored if t == "variable_failed"]
+        assert failed["name"] == "z" and failed["error"].startswith("call 'b' failed: ")
+        assert detail["variables"]["z"]["error"] == failed["error"]
 
 
 async def test_workflows_are_versioned_and_run(tmp_path) -> None:
@@ -189,6 +200,13 @@ async def test_workflows_are_versioned_and_run(tmp_path) -> None:
         assert (r.json()["workflow"], r.json()["version"]) == ("story", 1)
         rid = r.json()["run_id"]
         z = await c.get(f"/v1/runs/{rid}/variables/z", params={"timeout": 10})
+        assert z.json()["value"] == "<<a>>"
+        # a replay of a workflow's run is a run of that workflow version; no body needed
+        again = await c.post(f"/v1/runs/{rid}/replay")
+        assert again.status_code == 201, again.text
+        assert again.json()["replay_of"] == rid
+        assert (again.json()["workflow"], again.json()["version"]) == ("story", 1)
+        z = await c.get(f"/v1/runs/{again.json()['run_id']}/variables/z", params={"timeout": 10})
         assert z.json()["value"] == "<<a>>"
         missing = await c.post("/v1/workflows/nope/runs", json={"inputs": {}})
         assert missing.status_code == 404

@@ -143,6 +143,9 @@ def test_set_variable_is_idempotent_and_emits_once(store: Store, tenant: int) ->
     with pytest.raises(NotFoundError):
         store.set_variable(run, "nope", "v")  # closed run: no new variables
     assert store.fail_variable(run, "x1", "boom") is True
+    assert store.fail_variable(run, "x1", "boom") is False  # the same failure again
+    assert store.fail_variable(run, "x1", "call 'c' failed: boom") is True  # why, named
+    assert store.get_variable(tenant, run, "x1").error == "call 'c' failed: boom"
     assert store.set_variable(run, "x1", "late") is False
     assert store.get_variable(tenant, run, "x1").status == "failed"
 

@@ -106,3 +106,33 @@ async def test_openai_compatible_upstreams_refuse_logprobs_naming_themselves() -
         error = r.json()["error"]
         assert error["param"] == "logprobs" and f"{engine.kind} at http://up:1" in error["message"]
         assert fake.requests == [] or all("logprobs" not in b for _, b in fake.requests)
+
+
+@pytest.mark.slow
+async def test_logprobs_from_a_real_llama_server(llama_server) -> None:
+    """The llama.cpp this project builds answers `n_probs` in the shape the adapter reads:
+    greedy, each token is its own top alternative, with its logprob, alternatives sorted;
+    and they are what llama.cpp's own /completion reports for the same prompt."""
+    engine = await UpstreamEngine.connect(llama_server.url + "/v1")
+    async with engine:
+        async with httpx.AsyncClient(base_url=llama_server.url, timeout=120) as client:
+            tokenized = await client.post("/tokenize", json={"content": "Parrots are birds that"})
+            ids = tokenized.json()["tokens"]
+            await engine.fill("c", None, ids)
+            params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+            try:
+                deltas = [d async for d in engine.generate("c", None, params)]
+            finally:
+                await engine.free("c")
+            body = {"prompt": ids, "n_predict": 4, "temperature": 0, "n_probs": 3}
+            direct = (await client.post("/completion", json=body | {"cache_prompt": False})).json()
+    scored = [d for d in deltas if d.token_id is not None]
+    assert len(scored) == 4
+    for d, theirs in zip(scored, direct["completion_probabilities"], strict=True):
+        assert d.logprob is not None and d.logprob <= 0
+        assert len(d.top_logprobs) == 3
+        assert d.top_logprobs[0][0] == d.token_id and d.top_logprobs[0][1] == d.logprob
+        values = [lp for _, lp in d.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert d.token_id == theirs["id"]
+        assert d.logprob == pytest.approx(theirs["logprob"], abs=0.05)

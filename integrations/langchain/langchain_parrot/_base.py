@@ -85,6 +85,11 @@ class ParrotParams(BaseModel):
         async with httpx.AsyncClient() as client:
             yield AsyncTransport(client, self._endpoint)
 
+    @staticmethod
+    def _set(fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields that are set (not None)."""
+        return {k: v for k, v in fields.items() if v is not None}
+
     def _payload(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Request fields from the settings, then the call's `stop` and keyword arguments."""
         payload: dict[str, Any] = {

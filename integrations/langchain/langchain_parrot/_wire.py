@@ -6,7 +6,7 @@ becomes a `ParrotResponseError` naming the field, never a `KeyError` deep in a c
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -56,6 +56,7 @@ class ChatChoice(Wire):
     index: int = 0
     message: ChatMessage
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(Wire):
@@ -95,6 +96,7 @@ class ChatChunkChoice(Wire):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(Wire):
@@ -112,6 +114,7 @@ class CompletionChoice(Wire):
     index: int = 0
     text: str
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(Wire):

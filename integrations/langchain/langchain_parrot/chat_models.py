@@ -27,7 +27,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ._base import ParrotParams, usage_dict
 from ._wire import ChatCompletion, ChatCompletionChunk, Usage, parse
@@ -64,13 +64,24 @@ class ChatParrot(ParrotParams, BaseChatModel):
     non-text block raises ValueError.
     """
 
+    logprobs: bool | None = None
+    """Return each generated token's log probability (in `response_metadata["logprobs"]`,
+    OpenAI's `{"content": [{token, logprob, bytes, top_logprobs}]}`, streamed chunks'
+    entries merged as they arrive)."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """With `logprobs`: how many most likely alternatives to return per token (0-20)."""
+
     @property
     def _llm_type(self) -> str:
         return "parrot-chat"
 
     @property
+    def _logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
+
+    @property
     def _identifying_params(self) -> dict[str, Any]:
-        return self._parrot_identifying_params
+        return {**self._parrot_identifying_params, **self._logprob_fields}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -178,7 +189,7 @@ class ChatParrot(ParrotParams, BaseChatModel):
         kwargs: dict[str, Any],
         stream: bool,
     ) -> dict[str, Any]:
-        payload = self._payload(stop, kwargs)
+        payload = self._payload(stop, {**self._set(self._logprob_fields), **kwargs})
         payload["messages"] = [message_to_dict(m) for m in messages]
         if stream:
             payload["stream"] = True
@@ -343,9 +354,10 @@ def chat_result(body: Any) -> ChatResult:
                 "finish_reason": choice.finish_reason,
             },
         )
-        generations.append(
-            ChatGeneration(message=message, generation_info={"finish_reason": choice.finish_reason})
-        )
+        info: dict[str, Any] = {"finish_reason": choice.finish_reason}
+        if choice.logprobs is not None:
+            info["logprobs"] = choice.logprobs
+        generations.append(ChatGeneration(message=message, generation_info=info))
     llm_output: dict[str, Any] = {"model_name": completion.model}
     if completion.usage is not None:
         llm_output["token_usage"] = usage_dict(completion.usage)
@@ -399,11 +411,13 @@ class _StreamState:
             self.usage = chunk.usage
         text = ""
         calls = []
+        logprobs: list[Any] = []
         for choice in chunk.choices:
             if choice.index != 0:
                 continue  # one choice per request: the others are never asked for
             if choice.finish_reason is not None:
                 self.finish_reason = choice.finish_reason
+            logprobs.extend((choice.logprobs or {}).get("content") or ())
             text += choice.delta.content or ""
             for part in choice.delta.tool_calls or []:
                 # merged by index: the first piece has id and name, later ones arguments
@@ -415,9 +429,12 @@ class _StreamState:
                         index=part.index,
                     )
                 )
-        if not text and not calls:
+        if not text and not calls and not logprobs:
             return None
-        return ChatGenerationChunk(message=AIMessageChunk(content=text, tool_call_chunks=calls))
+        message = AIMessageChunk(content=text, tool_call_chunks=calls)
+        # entries of the chunks' tokens; merging the chunks concatenates the lists
+        info = {"logprobs": {"content": logprobs}} if logprobs else None
+        return ChatGenerationChunk(message=message, generation_info=info)
 
     def last(self) -> ChatGenerationChunk:
         metadata: dict[str, Any] = {"finish_reason": self.finish_reason, "model_provider": "parrot"}

@@ -69,6 +69,15 @@ _CONFIG_KEYS = frozenset(
         "presence_penalty",
     }
 )
+
+
+def _asks_logprobs(model: Any) -> bool:
+    """The model is set to return log probabilities, which only its own request returns
+    (a server program's outputs are text)."""
+    asked = getattr(model, "logprobs", None)
+    return asked is not None and asked is not False
+
+
 # base URL -> served model id -> its context length (None: the server lists no models)
 _SERVED: dict[str, dict[str, int | None] | None] = {}
 
@@ -580,7 +589,7 @@ class CompiledChain(Runnable[Any, Any]):
     def _config_of(self, step: ModelStep) -> dict[str, Any]:
         """The generation config of a model step's output: what its request-level call
         would send, with the server's defaults for what it leaves unset."""
-        if any(k not in _CONFIG_KEYS for k in step.kwargs):
+        if any(k not in _CONFIG_KEYS for k in step.kwargs) or _asks_logprobs(step.model):
             raise ClientStep  # settings only the request-level route knows
         model = step.model
         kw = step.kwargs
@@ -690,7 +699,11 @@ def _plan(step: Any, server_data: bool, out: list[dict[str, Any]]) -> tuple[bool
     from langchain_core.runnables.passthrough import RunnableAssign
 
     found = model_of(step)
-    if found is not None and all(k in _CONFIG_KEYS for k in found.kwargs):
+    if (
+        found is not None
+        and all(k in _CONFIG_KEYS for k in found.kwargs)
+        and not _asks_logprobs(found.model)
+    ):
         out.append({"step": step.get_name(), "where": "server"})
         return True, 0
     if isinstance(step, RunnableSequence):

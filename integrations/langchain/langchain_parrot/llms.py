@@ -13,7 +13,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import Field
 
 from ._base import ParrotParams, usage_dict
-from ._wire import Completion, Usage, parse
+from ._wire import Completion, CompletionChoice, Usage, parse
 from .errors import ParrotResponseError
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -41,6 +41,11 @@ class ParrotLLM(ParrotParams, BaseLLM):
     """Most tokens to generate (the server's own default for completions is 16)."""
     parallel_requests: int = Field(default=8, ge=1)
     """How many prompts of one batch are in flight at once."""
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Return each generated token's log probability and this many most likely
+    alternatives (0-20), in `generation_info["logprobs"]` (OpenAI's `{tokens,
+    token_logprobs, top_logprobs, text_offset}`; a stream's chunks carry their tokens'
+    entries, concatenated when the chunks are added)."""
 
     @property
     def _llm_type(self) -> str:
@@ -48,7 +53,7 @@ class ParrotLLM(ParrotParams, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return self._parrot_identifying_params
+        return {**self._parrot_identifying_params, "logprobs": self.logprobs}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -57,7 +62,7 @@ class ParrotLLM(ParrotParams, BaseLLM):
     def _request(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any], stream: bool
     ) -> dict[str, Any]:
-        payload = self._payload(stop, kwargs)
+        payload = self._payload(stop, {**self._set({"logprobs": self.logprobs}), **kwargs})
         payload["prompt"] = prompt
         if stream:
             payload["stream"] = True
@@ -159,7 +164,7 @@ def llm_result(bodies: list[Any]) -> LLMResult:
         model = completion.model
         generations.append(
             [
-                Generation(text=c.text, generation_info={"finish_reason": c.finish_reason})
+                Generation(text=c.text, generation_info=_info(c))
                 for c in sorted(completion.choices, key=lambda c: c.index)
             ]
         )
@@ -169,6 +174,13 @@ def llm_result(bodies: list[Any]) -> LLMResult:
     return LLMResult(
         generations=generations, llm_output={"token_usage": total, "model_name": model}
     )
+
+
+def _info(choice: CompletionChoice) -> dict[str, Any]:
+    info: dict[str, Any] = {"finish_reason": choice.finish_reason}
+    if choice.logprobs is not None:
+        info["logprobs"] = choice.logprobs
+    return info
 
 
 def _join(chunks: Iterator[GenerationChunk]) -> GenerationChunk:
@@ -217,13 +229,20 @@ class _StreamState:
         if chunk.usage is not None:
             self.usage = chunk.usage
         text = ""
+        logprobs: dict[str, list] = {}
         for choice in chunk.choices:
             if choice.index != 0:
                 continue  # one choice per request
             if choice.finish_reason is not None:
                 self.finish_reason = choice.finish_reason
             text += choice.text
-        return GenerationChunk(text=text) if text else None
+            for key, entries in (choice.logprobs or {}).items():
+                logprobs.setdefault(key, []).extend(entries or ())
+        if not text and not any(logprobs.values()):
+            return None
+        return GenerationChunk(
+            text=text, generation_info={"logprobs": logprobs} if logprobs else None
+        )
 
     def last(self) -> GenerationChunk:
         info: dict[str, Any] = {"finish_reason": self.finish_reason, "model_name": self.model}

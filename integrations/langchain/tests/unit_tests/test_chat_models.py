@@ -207,6 +207,7 @@ def test_identifying_params_hold_what_changes_the_output() -> None:
         stop=["x"],
         base_url="http://h:1",
         frequency_penalty=0.5,
+        logprobs=True,
     )._identifying_params
     assert params == {
         "model": MODEL,
@@ -218,6 +219,8 @@ def test_identifying_params_hold_what_changes_the_output() -> None:
         "frequency_penalty": 0.5,
         "presence_penalty": None,
         "stop": ["x"],
+        "logprobs": True,
+        "top_logprobs": None,
     }
 
 

@@ -28,6 +28,7 @@ from ._http import (
 from .errors import ParrotError, ParrotResponseError
 
 RETRY = frozenset({429, 502, 503, 504})
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 # an input placeholder not escaped (an even run of backslashes before it)
 _INPUT = re.compile(r"(\\*)\{\{input:([A-Za-z_][A-Za-z0-9_.-]*)\}\}")
 
@@ -129,7 +130,14 @@ class RunSession:
             try:
                 response = await self.client.send(request, stream=True)
             except httpx.HTTPError as exc:
-                raise _transport_error(exc, ep, url) from exc
+                # retried only when no byte reached the server: a run created or calls
+                # added twice would run twice (a dropped keep-alive connection, which the
+                # request-level routes retry too, may have delivered the request)
+                if attempt >= ep.max_retries or not isinstance(exc, _UNSENT):
+                    raise _transport_error(exc, ep, url) from exc
+                await asyncio.sleep(retry_delay(None, attempt))
+                attempt += 1
+                continue
             if response.status_code < 400:
                 return response
             if response.status_code in RETRY and attempt < ep.max_retries:

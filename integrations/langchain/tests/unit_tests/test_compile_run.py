@@ -21,6 +21,7 @@ from langchain_parrot import (
     ParrotError,
     compile_chain,
 )
+from langchain_parrot import _native as native_module
 from langchain_parrot import compile as compile_module
 
 from .fakes import MODEL, NativeServer
@@ -216,3 +217,25 @@ def test_a_model_the_server_did_not_list_before_is_looked_up_again(server) -> No
     assert server.paths == ["GET /v1/models", "POST /v1/runs"]
     chain.invoke({"q": "a"})
     assert server.paths.count("GET /v1/models") == 1  # listed now: not read again
+
+
+def test_a_run_request_that_could_not_connect_is_sent_again(server, monkeypatch) -> None:
+    """A connection refused before the request was sent is retried (max_retries), as the
+    request-level routes retry it; one that may have reached the server is not."""
+    monkeypatch.setattr(native_module, "retry_delay", lambda *a: 0.0)
+    answer = server.__class__.__call__
+    refusals = {"n": 1}
+
+    def flaky(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/runs" and refusals["n"]:
+            refusals["n"] -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        return answer(self, request)
+
+    monkeypatch.setattr(server.__class__, "__call__", flaky)
+    chain = compile_chain(PROMPT | chat() | StrOutputParser())
+    assert chain.invoke({"q": "a"}) == "gen(a)"
+    assert server.paths.count("POST /v1/runs") == 1  # the refused one never arrived
+    refusals["n"] = 5  # more than max_retries (2): the error reaches the caller
+    with pytest.raises(ParrotConnectionError):
+        chain.invoke({"q": "a"})

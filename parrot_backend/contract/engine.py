@@ -31,6 +31,14 @@ class TokenDelta:
     (their logits come from the step that checked them). The token that ends a
     generation without being part of its text (EOS, a stop token id) has none, as in
     OpenAI's answers. Otherwise both are None.
+
+    With `SamplingParams.prompt_logprobs` set, the generation's first delta (only that
+    one) has `prompt_logprobs`: one entry per token of the context when the generation
+    started, in order; the first is None (nothing predicts it), each later one is
+    (logprob of that token given the ones before, the `prompt_logprobs` most likely tokens
+    at its position as (token id, logprob)), from the log-softmax of the raw logits at the
+    position before it. With `max_tokens` 0 that first delta is the only one: no token
+    (`token_id` None), empty text, finish_reason "length".
     """
 
     token_id: int | None
@@ -38,6 +46,7 @@ class TokenDelta:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclass(slots=True)

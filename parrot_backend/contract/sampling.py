@@ -108,13 +108,24 @@ class SamplingParams:
     # the model's log-softmax of the raw logits at that position: before penalties,
     # temperature, top-k/top-p and the grammar mask (OpenAI's and vLLM's default).
     logprobs: StrictInt | None = None
+    # the prompt's log probabilities: None (off), or the number of top alternatives
+    # (0..MAX_LOGPROBS) per prompt token. The engine computes the logits of every prompt
+    # position for such a request (it reuses no KV of earlier requests for its prompt) and
+    # hands the entries out once, on the generation's first delta
+    # (`TokenDelta.prompt_logprobs`). With it, `max_tokens` may be 0: the prompt is scored
+    # and nothing is generated (one delta, no token, finish_reason "length").
+    prompt_logprobs: StrictInt | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens < least:
+            raise InvalidRequest(
+                f"max_tokens must be >= 1 (0 only when prompt_logprobs is set), "
+                f"got {self.max_tokens}"
+            )
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
@@ -163,6 +174,15 @@ class SamplingParams:
         ):
             raise InvalidRequest(
                 f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= min(MAX_LOGPROBS, vocab_size or MAX_LOGPROBS)
+        ):
+            raise InvalidRequest(
+                f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
             )
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):

@@ -9,7 +9,9 @@
   streams **server-sent events**: one `data: {"token_id", "text", "finish_reason"}` frame
   per `TokenDelta`, the last one with `finish_reason` set (with `sampling.logprobs` set,
   a token's frame also has `"logprob"` and `"top_logprobs"`, a list of `[token_id,
-  logprob]` pairs, most likely first); a failure after that point is an
+  logprob]` pairs, most likely first; with `sampling.prompt_logprobs` set, the first frame
+  also has `"prompt_logprobs"`: per prompt token `null` or `[logprob, [[token_id,
+  logprob], ...]]`); a failure after that point is an
   `event: error` frame with the error body below. Comment lines (`: ping`) keep idle
   streams alive.
 - Errors: `{"error": {"type": <engine error class>, "message": ...}}` with the statuses of
@@ -192,6 +194,11 @@ def delta_frame(delta: TokenDelta) -> bytes:
     if delta.logprob is not None:
         payload["logprob"] = delta.logprob
         payload["top_logprobs"] = [[t, lp] for t, lp in delta.top_logprobs or ()]
+    if delta.prompt_logprobs is not None:
+        payload["prompt_logprobs"] = [
+            None if e is None else [e[0], [[t, lp] for t, lp in e[1]]]
+            for e in delta.prompt_logprobs
+        ]
     return sse_frame(payload)
 
 
@@ -207,6 +214,12 @@ def delta_from_json(payload: dict[str, Any]) -> TokenDelta:
     if payload.get("logprob") is not None:
         delta.logprob = float(payload["logprob"])
         delta.top_logprobs = [(int(t), float(lp)) for t, lp in payload.get("top_logprobs") or ()]
+    prompt = payload.get("prompt_logprobs")
+    if prompt is not None:
+        delta.prompt_logprobs = [
+            None if e is None else (float(e[0]), [(int(t), float(lp)) for t, lp in e[1]])
+            for e in prompt
+        ]
     return delta
 
 

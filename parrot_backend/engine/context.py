@@ -93,6 +93,19 @@ class Context:
 _ids = itertools.count()
 
 
+@dataclass(eq=False, slots=True)
+class PromptScores:
+    """A generation's prompt log probabilities (`SamplingParams.prompt_logprobs`), filled
+    by the steps that compute its prompt: `entries[i]` is token i's (logprob, top `k` as
+    (token id, logprob)), from the logits at position i - 1 (`entries[0]` stays None).
+    `tokens` is a copy of the prompt, so the compute thread never reads the context; a
+    position computed again (a preempted or retried step) overwrites its entry."""
+
+    tokens: tuple[int, ...]
+    k: int
+    entries: list[tuple[float, list[tuple[int, float]]] | None]
+
+
 @dataclass(eq=False)
 class Request:
     """A fill or a generate on one context, queued until the scheduler runs it."""
@@ -112,6 +125,20 @@ class Request:
     done: bool = False
     eos_ids: frozenset[int] = frozenset()
     drafter: Drafter | None = None  # a greedy generation that may check draft tokens
+    # with `sampling.prompt_logprobs`: the prompt's entries while they are computed
+    # (`PromptScores`), made when the request first gets room in a step
+    scores: PromptScores | None = None
+    prompt_sent: bool = False  # its prompt's entries went out (on its first delta)
+
+    @property
+    def wants_prompt(self) -> bool:
+        """A generation that must still compute its prompt's log probabilities: every
+        prompt position, none of the KV that a fill, its parent or the prefix cache has."""
+        return (
+            self.sampling is not None
+            and self.sampling.prompt_logprobs is not None
+            and not self.prompt_sent
+        )
 
     @property
     def pending(self) -> int:

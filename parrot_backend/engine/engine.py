@@ -63,6 +63,8 @@ class Engine(StepLoop):
     joins_forks = True
     # `SamplingParams.logprobs` is honoured: deltas carry logprob and top_logprobs
     supports_logprobs = True
+    # `SamplingParams.prompt_logprobs` too: the first delta carries the prompt's entries
+    supports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -273,7 +275,7 @@ class Engine(StepLoop):
         ctx = self.tree.open(context_id, parent_id, salt)
         if not ctx.tokens:
             raise InvalidRequest("cannot generate from an empty context: fill it first")
-        self.tree.check_length(ctx, 0, 1)
+        self.tree.check_length(ctx, 0, 1 if sampling.max_tokens else 0)
         self.tree.register(ctx)
         req = Request(
             "generate",

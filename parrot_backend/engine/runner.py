@@ -25,9 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata, find_prefix_groups
+from .context import PromptScores
 from .sampler import Sampler
 from .scheduler import Work
 from .speculate import accept
+
+# Prompt log probabilities: the lm-head and log-softmax over a chunk's positions, this many
+# positions at a time (49,152 float32 logits each: 256 positions are 48 MiB)
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -54,6 +59,9 @@ class Batch:
     # per sequence: draft tokens computed after its context's last token (their greedy
     # checks make the row's result a list of tokens, `speculate.accept`), or None
     drafts: list[list[int] | None]
+    # per sequence: the prompt log probabilities its chunk's positions fill in
+    # (`SamplingParams.prompt_logprobs`), or None (the rows that did not ask: no extra work)
+    scores: list[PromptScores | None]
 
 
 # a token, the tokens of a row with drafts, the error of this row, a fill's kept last
@@ -142,6 +150,7 @@ class ModelRunner:
         copy_rows: list[int] = []
         copy_slots: list[int] = []
         drafts: list[list[int] | None] = []
+        scores: list[PromptScores | None] = []
         for j, w in enumerate(work):
             ctx = w.req.ctx
             end = w.start + w.n
@@ -166,6 +175,7 @@ class ModelRunner:
             tables.append(blocks)
             samplers.append(w.req.sampler if w.samples else None)
             drafts.append(draft or None)
+            scores.append(w.req.scores if w.req.wants_prompt else None)
         return Batch(
             ids,
             positions,
@@ -181,6 +191,7 @@ class ModelRunner:
             copy_rows,
             copy_slots,
             drafts,
+            scores,
         )
 
     def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -268,9 +279,18 @@ class ModelRunner:
         last: list[torch.Tensor] = []  # final hidden states to sample from, in this order
         who: list[tuple[int, Sampler]] = []
         checks: list[tuple[int, torch.Tensor, list[int], Sampler]] = []  # rows with drafts
+        failed: dict[int, BaseException] = {}  # rows whose prompt scoring failed
         if hidden is not None:
             for i, j in enumerate(batch.rows):
                 end = batch.query_start[i + 1]
+                if batch.scores[i] is not None:
+                    start = batch.query_start[i]
+                    try:
+                        self._score_prompt(
+                            batch.scores[i], hidden[start:end], batch.positions[start]
+                        )
+                    except Exception as exc:  # this request's scoring, not the step
+                        failed[j] = exc
                 draft = batch.drafts[i]
                 if draft is not None:  # the last real token's state and each draft token's
                     h = hidden[end - len(draft) - 1 : end]
@@ -294,7 +314,32 @@ class ModelRunner:
                     out[j] = sampler(logits[k])
                 except Exception as exc:  # this request's sampling, not the step
                     out[j] = exc
+        for j, exc in failed.items():
+            out[j] = exc
         return out
+
+    def _score_prompt(self, scores: PromptScores, hidden: torch.Tensor, start: int) -> None:
+        """Fill in the prompt entries that a chunk's positions [start, start + len(hidden))
+        predict: position p's log-softmax of the raw logits gives token p + 1's logprob and
+        the top `k` (the prompt's last position predicts the first generated token: the
+        sampler's, not an entry). In slices of `PROMPT_LOGITS_ROWS` positions."""
+        tokens, k = scores.tokens, scores.k
+        m = min(len(hidden), len(tokens) - 1 - start)
+        for a in range(0, max(m, 0), PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, m)
+            lp = torch.log_softmax(self.model.logits(hidden[a:b]).float(), dim=-1)
+            targets = torch.tensor(tokens[start + a + 1 : start + b + 1], device=lp.device)
+            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            if k:
+                values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+                tops = [
+                    list(zip(i, v, strict=True))
+                    for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
+            else:
+                tops = [[] for _ in chosen]
+            for r, (c, top) in enumerate(zip(chosen, tops, strict=True)):
+                scores.entries[start + a + r + 1] = (c, top)
 
     def _check_drafts(
         self, checks: list[tuple[int, torch.Tensor, list[int], Sampler]], out: list[StepResult]

@@ -81,6 +81,8 @@ class RemoteEngine:
 
     # the engine's deltas carry `SamplingParams.logprobs` over the wire (`wire.delta_frame`)
     supports_logprobs = True
+    # ... and `SamplingParams.prompt_logprobs` (the first delta's `prompt_logprobs`)
+    supports_prompt_logprobs = True
 
     def __init__(
         self,
@@ -260,8 +262,10 @@ class RemoteEngine:
             raise InvalidRequest("sampling must be a SamplingParams")
         self._check_open()
         wire_sampling = asdict(sampling)
-        if sampling.logprobs is None:  # (an engine from before logprobs refuses the field)
-            del wire_sampling["logprobs"]
+        # (an engine from before these fields refuses them: sent only when set)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sampling, name) is None:
+                del wire_sampling[name]
         body = {
             "context_id": context_id,
             "parent_id": parent_id,

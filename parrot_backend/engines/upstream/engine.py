@@ -273,6 +273,17 @@ class UpstreamEngine:
             f"{self.url}): it does not return them by token id (llama.cpp upstreams do)"
         )
 
+    # The prompt's log probabilities (`SamplingParams.prompt_logprobs`, OpenAI's `echo`
+    # with `logprobs`) are not asked of any upstream kind: refused with a 400.
+    supports_prompt_logprobs = False
+
+    @property
+    def prompt_logprobs_refusal(self) -> str:
+        return (
+            f"the prompt's log probabilities are not available from the upstream engine "
+            f"({self.kind} at {self.url})"
+        )
+
     def __repr__(self) -> str:
         return f"UpstreamEngine({self.url!r}, kind={self.kind!r}, model={self.info.model!r})"
 
@@ -337,6 +348,8 @@ class UpstreamEngine:
         sampling.validate(self.vocab_size)
         if sampling.logprobs is not None and not self.supports_logprobs:
             raise InvalidRequest(self.logprobs_refusal)
+        if sampling.prompt_logprobs is not None:
+            raise InvalidRequest(self.prompt_logprobs_refusal)
         if parent_id is None and context_id not in self.tree.contexts:
             raise ContextNotFound(
                 f"unknown context {context_id!r}: generate continues an "

@@ -16,13 +16,15 @@ from ..contract.engine import TokenDelta
 from ..contract.sampling import SamplingParams
 from .errors import APIError
 from .generation import RequestRun
-from .openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, has_logprob
+from .openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, has_entries
 from .openai_prep import (
     build_sampling,
     chat_prompt,
     check_common,
+    check_max_tokens_zero,
     completion_prompt,
     logprobs_of,
+    prompt_logprobs_of,
     resolve_max_tokens,
 )
 from .openai_schemas import (
@@ -160,11 +162,30 @@ async def _collect(
     async def drain() -> None:
         async for index, delta in run:
             texts[index].append(delta.text)
-            if has_logprob(delta):
+            if has_entries(delta):
                 scored[index].append(delta)
 
     disconnected, _ = await until_disconnect(request, drain)
     return None if disconnected else (["".join(t) for t in texts], scored)
+
+
+class EchoOnly:
+    """A completion of 0 tokens without logprobs (`echo` with `max_tokens` 0): each choice
+    is the echoed prompt, ended by "length"; nothing for the engine to do. It stands in for
+    a `RequestRun` where the routes read one."""
+
+    def __init__(self, n: int, prompt_tokens: int) -> None:
+        self.n = n
+        self.prompt_tokens = prompt_tokens
+        self.total_completion_tokens = 0
+        self.finish_reasons: list[str | None] = ["length"] * n
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        for index in range(self.n):
+            yield index, TokenDelta(None, "", "length")
+
+    async def close(self) -> None:
+        return None
 
 
 def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
@@ -185,13 +206,27 @@ def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Res
 async def create_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     started = time.perf_counter()
     n = check_common(state, body)
+    check_max_tokens_zero(body)
     prompt_ids, prompt_text = await completion_prompt(state, body)
     logprobs = logprobs_of(state, body)
+    prompt_logprobs = prompt_logprobs_of(state, body, logprobs)
     max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
-    sampling = build_sampling(state, body, max_tokens, logprobs=logprobs)
-    run = await _admit(
-        state, request, prompt_ids, sampling, n, "completions", started, bool(body.stream)
+    # the prompt alone, as it was sent: nothing for the engine (its parameters are still
+    # checked, as a generation's)
+    echo_only = max_tokens == 0 and prompt_logprobs is None
+    sampling = build_sampling(
+        state,
+        body,
+        1 if echo_only else max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
+    if echo_only:
+        run = EchoOnly(n, len(prompt_ids))
+    else:
+        run = await _admit(
+            state, request, prompt_ids, sampling, n, "completions", started, bool(body.stream)
+        )
     if run is None:
         return Response(status_code=499)  # the client left during the prefill
     meta = {
@@ -203,7 +238,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     token_texts = TokenTexts(state.engine) if logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = completion_events(run, meta, echo, include_usage, token_texts)
+        events = completion_events(
+            run, meta, echo, include_usage, token_texts, prompt_ids if prompt_logprobs else None
+        )
         return _sse(state, events, run)
     try:
         collected = await _collect(run, request)
@@ -216,7 +253,11 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
         CompletionChoice(
             index=i,
             text=echo + t,
-            logprobs=None if token_texts is None else CompletionOffsets(token_texts).take(s),
+            logprobs=None
+            if token_texts is None
+            else CompletionOffsets(
+                token_texts, prompt_ids=prompt_ids if prompt_logprobs is not None else None
+            ).take(s),
             finish_reason=run.finish_reasons[i],
         )
         for i, (t, s) in enumerate(zip(texts, scored, strict=True))

@@ -10,6 +10,12 @@ generation without being part of its text (EOS, a stop token) has no entry, as i
 OpenAI's answers. Entries are per choice, and a stream's chunk carries the entries of the
 tokens generated since that choice's previous chunk (a token whose text is held back, a
 partial character or a possible stop string, goes with the next chunk of its choice).
+
+Legacy completions with `echo` and `logprobs` list the prompt's tokens first (the engine's
+`TokenDelta.prompt_logprobs`, on a choice's first delta, so on its first chunk): the first
+prompt token has `null` logprob and alternatives (OpenAI's shape), the others the logprob
+given the tokens before and the top alternatives plus the token itself; `text_offset`
+starts at 0 with the prompt, and the generated tokens' offsets go on from there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class TokenTexts:
 
 def has_logprob(delta: TokenDelta) -> bool:
     return delta.token_id is not None and delta.logprob is not None
+
+
+def has_entries(delta: TokenDelta) -> bool:
+    """Whether a delta carries any log probabilities: its token's, or the prompt's."""
+    return has_logprob(delta) or delta.prompt_logprobs is not None
 
 
 def chat_entries(texts: TokenTexts, deltas: list[TokenDelta]) -> list[TokenLogprob]:
@@ -62,15 +73,40 @@ def chat_logprobs(texts: TokenTexts, deltas: list[TokenDelta]) -> ChoiceLogprobs
 class CompletionOffsets:
     """Legacy completions' logprobs of one choice, built chunk by chunk: `text_offset`
     counts on from the tokens before (each token's offset is the length of the token texts
-    before it, from `start`: the echoed prompt's length)."""
+    before it, from `start`). With `prompt_ids` (echo with logprobs), a delta's
+    `prompt_logprobs` put the prompt's tokens first."""
 
-    def __init__(self, texts: TokenTexts, start: int = 0) -> None:
+    def __init__(
+        self, texts: TokenTexts, start: int = 0, prompt_ids: list[int] | None = None
+    ) -> None:
         self._texts = texts
         self.offset = start
+        self._prompt_ids = prompt_ids
+
+    def _prompt(self, out: CompletionLogprobs, entries: list) -> None:
+        for i, tid in enumerate(self._prompt_ids or ()):
+            token = self._texts(tid)
+            entry = entries[i] if i < len(entries) else None
+            out.tokens.append(token)
+            out.text_offset.append(self.offset)
+            self.offset += len(token)
+            if entry is None:  # the first token: nothing predicts it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            logprob, alternatives = entry
+            top: dict[str, float] = {}
+            for t, lp in alternatives:
+                top.setdefault(self._texts(t), lp)
+            top.setdefault(token, logprob)  # the prompt's token always (as a sampled one)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append(top)
 
     def take(self, deltas: list[TokenDelta]) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for d in deltas:
+            if d.prompt_logprobs is not None and self._prompt_ids is not None:
+                self._prompt(out, d.prompt_logprobs)
             if not has_logprob(d):
                 continue
             token = self._texts(d.token_id)

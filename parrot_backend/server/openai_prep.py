@@ -138,8 +138,6 @@ def logprobs_of(state: ServerState, body: CompletionRequest | ChatCompletionRequ
     else:
         if body.logprobs is None:
             return None
-        if body.echo:
-            raise unsupported("echo", "echo with logprobs (the prompt's logprobs) is not supported")
         k = body.logprobs
     if not getattr(state.engine, "supports_logprobs", False):
         why = getattr(state.engine, "logprobs_refusal", None) or (
@@ -150,12 +148,39 @@ def logprobs_of(state: ServerState, body: CompletionRequest | ChatCompletionRequ
     return k
 
 
+def prompt_logprobs_of(state: ServerState, body: CompletionRequest, k: int | None) -> int | None:
+    """The top alternatives asked per prompt token (`SamplingParams.prompt_logprobs`):
+    legacy completions' `echo` with `logprobs` scores the prompt too; None otherwise.
+    400 when the engine cannot return them."""
+    if not body.echo or k is None:
+        return None
+    if not getattr(state.engine, "supports_prompt_logprobs", False):
+        why = getattr(state.engine, "prompt_logprobs_refusal", None) or (
+            f"the engine this server runs on ({type(state.engine).__name__}) "
+            "does not return the prompt's log probabilities"
+        )
+        raise unsupported("echo", f"echo with logprobs: {why}")
+    return k
+
+
+def check_max_tokens_zero(body: CompletionRequest) -> None:
+    """max_tokens 0 asks for the prompt alone: only with echo (400 otherwise)."""
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(
+            400,
+            "max_tokens must be >= 1; 0 is allowed only with echo: true (the prompt alone, "
+            "with its logprobs when logprobs is set)",
+            param="max_tokens",
+        )
+
+
 def build_sampling(
     state: ServerState,
     body: _SamplingFields,
     max_tokens: int,
     constraint: Constraint | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -169,6 +194,7 @@ def build_sampling(
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate(state.vocab_size)

@@ -76,7 +76,9 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(
         description="A string, a list with one string, token ids, or a list with one id list."
     )
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(
+        default=16, ge=0, description="0 only with echo: the prompt alone (scored with logprobs)."
+    )
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1)

@@ -11,7 +11,13 @@ from ..contract.errors import EngineError
 from ..engine.grammar_tools import Event, ToolCallParser, parse_tool_calls
 from .errors import APIError, from_engine_error
 from .generation import RequestRun
-from .openai_logprobs import CompletionOffsets, TokenTexts, chat_entries, has_logprob
+from .openai_logprobs import (
+    CompletionOffsets,
+    TokenTexts,
+    chat_entries,
+    has_entries,
+    has_logprob,
+)
 from .openai_schemas import (
     AssistantMessage,
     ChatChunkChoice,
@@ -62,11 +68,18 @@ async def completion_events(
     echo: str,
     include_usage: bool,
     token_texts: TokenTexts | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> AsyncIterator[bytes]:
     """With `token_texts` (logprobs asked), each chunk carries the logprobs of its
-    choice's tokens since that choice's previous chunk (`openai_logprobs`)."""
+    choice's tokens since that choice's previous chunk (`openai_logprobs`); with
+    `prompt_ids` (echo with logprobs), a choice's first chunk, which carries the echoed
+    prompt, has the prompt's entries first."""
     echoed: set[int] = set()
-    offsets = [CompletionOffsets(token_texts) for _ in range(run.n)] if token_texts else None
+    offsets = (
+        [CompletionOffsets(token_texts, prompt_ids=prompt_ids) for _ in range(run.n)]
+        if token_texts
+        else None
+    )
     pending: list[list] = [[] for _ in range(run.n)]
 
     def take(index: int) -> CompletionLogprobs | None:
@@ -82,7 +95,7 @@ async def completion_events(
             if echo and index not in echoed:
                 echoed.add(index)
                 text = echo + text
-            if offsets is not None and has_logprob(delta):
+            if offsets is not None and has_entries(delta):
                 pending[index].append(delta)
             if text:
                 yield _completion_chunk(meta, index, text, None, take(index))

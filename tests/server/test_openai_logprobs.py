@@ -220,10 +220,16 @@ async def test_logprobs_requests_that_are_refused(client, engine):
     model = engine.model_name
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         await client.chat.completions.create(model=model, messages=MESSAGES, top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        await client.completions.create(model=model, prompt=PROMPT, logprobs=1, echo=True)
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model=model, prompt=PROMPT, logprobs=21)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(
+            model=model, prompt=PROMPT, logprobs=21, echo=True, max_tokens=0
+        )
+    # max_tokens 0 asks for the prompt alone: only with echo
+    with pytest.raises(openai.BadRequestError, match="echo") as info:
+        await client.completions.create(model=model, prompt=PROMPT, logprobs=1, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
 
 
 async def test_an_engine_without_logprobs_is_a_400_naming_it():
@@ -279,5 +285,163 @@ async def test_logprobs_over_a_remote_engine(engine, tiny_model_dir, reference):
         )
         assert len(r.choices[0].logprobs.content) == 5
         assert json.loads(r.model_dump_json())["choices"][0]["logprobs"]["content"][0]["bytes"]
+        await http.aclose()
+    assert engine.contexts == {}
+
+
+# ---- the prompt's logprobs: legacy completions' echo with logprobs ----
+
+
+@pytest.fixture(scope="module")
+def scores(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        """transformers' log-softmax at every position of `ids`."""
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+
+    return logprobs
+
+
+def _check_echoed(engine, lp, ids: list[int], k: int, scores, generated: int = 0) -> None:
+    """The prompt's entries first (the first null), then the generated tokens', all equal
+    to transformers' log-softmax; offsets from 0 over the token texts."""
+    assert len(lp.tokens) == len(ids) + generated
+    texts = [engine.detokenize([t]) for t in ids]
+    assert lp.tokens[: len(ids)] == texts
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    every = ids + [engine.tokenize(t)[0] for t in lp.tokens[len(ids) :]] if generated else ids
+    ref = scores(every)
+    for i in range(1, len(lp.tokens)):
+        t = every[i]
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, t]), abs=ATOL), i
+        top = lp.top_logprobs[i]
+        best = torch.topk(ref[i - 1], k)
+        want = dict(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        want.setdefault(t, float(ref[i - 1, t]))
+        assert set(top) == {engine.detokenize([w]) for w in want}
+        for w, v in want.items():
+            assert top[engine.detokenize([w])] == pytest.approx(v, abs=ATOL)
+    offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.text_offset == offsets
+
+
+async def test_echo_with_logprobs_scores_the_prompt(client, engine, scores, reference):
+    ids = engine.tokenize(PROMPT)
+    kw = {
+        "model": engine.model_name,
+        "prompt": PROMPT,
+        "echo": True,
+        "logprobs": 2,
+        "temperature": 0,
+    }
+    r = await client.completions.create(**kw, max_tokens=0, n=2)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    for choice in r.choices:
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        _check_echoed(engine, choice.logprobs, ids, 2, scores)
+        assert "".join(choice.logprobs.tokens) == PROMPT  # this tokenizer round-trips it
+    # with generated tokens after it (greedy: transformers' tokens)
+    r3 = await client.completions.create(**kw, max_tokens=3, extra_body={"ignore_eos": True})
+    choice = r3.choices[0]
+    tokens, _ = reference(ids, 3)
+    generated = engine.detokenize(tokens)
+    assert choice.text == PROMPT + generated
+    assert choice.logprobs.tokens[len(ids) :] == [engine.detokenize([t]) for t in tokens]
+    _check_echoed(engine, choice.logprobs, ids, 2, scores, generated=3)
+    assert r3.usage.completion_tokens == 3
+    # a prompt given as token ids: the same answer
+    by_ids = await client.completions.create(**{**kw, "prompt": ids}, max_tokens=0)
+    assert by_ids.choices[0].text == PROMPT
+    assert by_ids.choices[0].logprobs == r.choices[0].logprobs
+    # streamed: each choice's first chunk carries the echoed prompt and its entries
+    for max_tokens in (0, 3):
+        want = r if max_tokens == 0 else r3
+        n = 2 if max_tokens == 0 else 1
+        stream = await client.completions.create(
+            **kw, max_tokens=max_tokens, n=n, stream=True, extra_body={"ignore_eos": True}
+        )
+        got: dict[int, dict] = {}
+        async for chunk in stream:
+            for c in chunk.choices:
+                g = got.setdefault(
+                    c.index, {"text": "", "tokens": [], "lps": [], "top": [], "offsets": []}
+                )
+                if not g["text"] and c.text:  # the first chunk with text: the prompt's entries
+                    assert c.text.startswith(PROMPT)
+                    assert (
+                        c.logprobs.tokens[: len(ids)] == want.choices[0].logprobs.tokens[: len(ids)]
+                    )
+                g["text"] += c.text
+                g["tokens"] += c.logprobs.tokens
+                g["lps"] += c.logprobs.token_logprobs
+                g["top"] += c.logprobs.top_logprobs
+                g["offsets"] += c.logprobs.text_offset
+        assert sorted(got) == list(range(n))
+        for g in got.values():
+            lp = want.choices[0].logprobs
+            assert g["text"] == want.choices[0].text
+            assert g["tokens"] == lp.tokens and g["offsets"] == lp.text_offset
+            assert g["lps"][0] is None and g["top"][0] is None
+            assert g["lps"][1:] == pytest.approx(lp.token_logprobs[1:], abs=ATOL)
+            assert [dict(t) for t in g["top"][1:]] == [dict(t) for t in lp.top_logprobs[1:]]
+
+
+async def test_echo_with_max_tokens_zero_and_no_logprobs_is_the_prompt(client, engine):
+    r = await client.completions.create(
+        model=engine.model_name, prompt=PROMPT, echo=True, max_tokens=0, n=2
+    )
+    assert [c.text for c in r.choices] == [PROMPT, PROMPT]
+    assert all(c.logprobs is None and c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 0
+    stream = await client.completions.create(
+        model=engine.model_name, prompt=PROMPT, echo=True, max_tokens=0, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_prompt_logprobs_over_a_remote_engine(engine, tiny_model_dir, scores):
+    """`prompt_logprobs` go to the engine API and its entries come back (`wire`)."""
+    from parrot_backend.contract.sampling import SamplingParams
+    from parrot_backend.engines.remote import RemoteEngine
+    from parrot_backend.server.engine_api import create_engine_app
+
+    key = "sk-prompt"
+    async with engine:
+        app = create_engine_app(engine, api_key=key)
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://e",
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        info = (await http.get("/engine/info")).json()
+        remote = RemoteEngine(
+            "http://e", api_key=key, info=info, tokenizer=engine.tokenizer, client=http
+        )
+        prompt = engine.tokenize(PROMPT)
+        await remote.fill("r", None, prompt)
+        sampling = SamplingParams(max_tokens=0, prompt_logprobs=3)
+        deltas = [d async for d in remote.generate("r", None, sampling)]
+        await remote.free("r")
+        assert len(deltas) == 1 and deltas[0].finish_reason == "length"
+        entries = deltas[0].prompt_logprobs
+        ref = scores(prompt)
+        assert entries[0] is None and len(entries) == len(prompt)
+        for i in range(1, len(prompt)):
+            assert entries[i][0] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=ATOL)
+            assert [t for t, _ in entries[i][1]] == torch.topk(ref[i - 1], 3).indices.tolist()
+        # and echo with logprobs on the OpenAI route on top of it
+        client = _client(create_app(remote, settings=ServerSettings()))
+        r = await client.completions.create(
+            model=remote.model_name, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0
+        )
+        assert r.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+            [e[0] for e in entries[1:]], abs=ATOL
+        )
         await http.aclose()
     assert engine.contexts == {}

@@ -136,3 +136,29 @@ async def test_logprobs_from_a_real_llama_server(llama_server) -> None:
         assert values == sorted(values, reverse=True)
         assert d.token_id == theirs["id"]
         assert d.logprob == pytest.approx(theirs["logprob"], abs=0.05)
+
+
+@pytest.mark.parametrize("kind", ["llama.cpp", "vllm"])
+async def test_upstreams_refuse_the_prompts_logprobs(kind) -> None:
+    """echo with logprobs (the prompt's logprobs) is a 400 naming the upstream, also on
+    llama.cpp, which returns the generated tokens' logprobs; echo alone still works."""
+    fake = ScoringUpstream() if kind == "llama.cpp" else FakeUpstream(kind)
+    async with await connect(fake) as engine:
+        assert not engine.supports_prompt_logprobs
+        with pytest.raises(InvalidRequest, match=f"prompt's log probabilities.*{engine.kind}"):
+            await _generate(engine, max_tokens=0, prompt_logprobs=1)
+        app = create_app(engine, settings=ServerSettings())
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            body = {"model": engine.model_name, "prompt": "hi", "echo": True, "max_tokens": 0}
+            r = await client.post("/v1/completions", json={**body, "logprobs": 1})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] in ("echo", "logprobs")
+            assert f"{engine.kind} at http://up:1" in error["message"]
+            sent = len(fake.requests)
+            r = await client.post("/v1/completions", json=body)  # the prompt alone
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == "hi"
+            assert len(fake.requests) == sent  # nothing asked of the upstream

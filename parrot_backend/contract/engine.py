@@ -31,14 +31,6 @@ class TokenDelta:
     (their logits come from the step that checked them). The token that ends a
     generation without being part of its text (EOS, a stop token id) has none, as in
     OpenAI's answers. Otherwise both are None.
-
-    With `SamplingParams.prompt_logprobs` set, the generation's first delta (only that
-    one) has `prompt_logprobs`: one entry per token of the context when the generation
-    started, in order; the first is None (nothing predicts it), each later one is
-    (logprob of that token given the ones before, the `prompt_logprobs` most likely tokens
-    at its position as (token id, logprob)), from the log-softmax of the raw logits at the
-    position before it. With `max_tokens` 0 that first delta is the only one: no token
-    (`token_id` None), empty text, finish_reason "length".
     """
 
     token_id: int | None
@@ -46,7 +38,23 @@ class TokenDelta:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+
+
+# a scored token's entry (`fill(..., prompt_logprobs=k)`): its logprob given the tokens
+# before it, and the k most likely tokens at its position as (token id, logprob)
+PromptEntry = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class ScoredFill:
+    """What `fill(..., prompt_logprobs=k)` returns: the context's length, and one entry per
+    token the fill appended, in order. The first is None (the fill does not compute the
+    position before it: for a new context nothing predicts its first token); each later
+    one is that token's `PromptEntry`, from the model's log-softmax of the raw logits at
+    the position before it (the k alternatives most likely first)."""
+
+    length: int
+    prompt_logprobs: list[PromptEntry | None]
 
 
 @dataclass(slots=True)
@@ -103,9 +111,16 @@ class EngineClient(Protocol):
         *,
         salt: str | None = None,
         priority: int = 0,
-    ) -> int:
+        prompt_logprobs: int | None = None,
+    ) -> int | ScoredFill:
         """Append tokens to a context (creating it, forked from `parent_id`, if new) and
-        compute their KV. Returns the context's length in tokens."""
+        compute their KV. Returns the context's length in tokens.
+
+        With `prompt_logprobs` k (0..`MAX_LOGPROBS`), the fill also scores the tokens it
+        appends and returns a `ScoredFill`: it computes each of them (none is taken from
+        a prefix cache; its blocks are still cached for later requests) and the logits at
+        each of their positions. An engine that cannot raises InvalidRequest; engines that
+        can say so with `supports_prompt_logprobs = True`."""
         ...
 
     def generate(

@@ -108,24 +108,13 @@ class SamplingParams:
     # the model's log-softmax of the raw logits at that position: before penalties,
     # temperature, top-k/top-p and the grammar mask (OpenAI's and vLLM's default).
     logprobs: StrictInt | None = None
-    # the prompt's log probabilities: None (off), or the number of top alternatives
-    # (0..MAX_LOGPROBS) per prompt token. The engine computes the logits of every prompt
-    # position for such a request (it reuses no KV of earlier requests for its prompt) and
-    # hands the entries out once, on the generation's first delta
-    # (`TokenDelta.prompt_logprobs`). With it, `max_tokens` may be 0: the prompt is scored
-    # and nothing is generated (one delta, no token, finish_reason "length").
-    prompt_logprobs: StrictInt | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        least = 0 if self.prompt_logprobs is not None else 1
-        if self.max_tokens < least:
-            raise InvalidRequest(
-                f"max_tokens must be >= 1 (0 only when prompt_logprobs is set), "
-                f"got {self.max_tokens}"
-            )
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {t!r}")
@@ -167,23 +156,7 @@ class SamplingParams:
                 or not -MAX_PENALTY <= v <= MAX_PENALTY
             ):
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {v!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= min(MAX_LOGPROBS, vocab_size or MAX_LOGPROBS)
-        ):
-            raise InvalidRequest(
-                f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
-        if self.prompt_logprobs is not None and (
-            isinstance(self.prompt_logprobs, bool)
-            or not isinstance(self.prompt_logprobs, int)
-            or not 0 <= self.prompt_logprobs <= min(MAX_LOGPROBS, vocab_size or MAX_LOGPROBS)
-        ):
-            raise InvalidRequest(
-                f"prompt_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], "
-                f"got {self.prompt_logprobs!r}"
-            )
+        check_logprobs("logprobs", self.logprobs, vocab_size)
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequest("constraint must be a Constraint")
@@ -209,3 +182,15 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether the logits depend on the tokens generated so far."""
         return bool(self.presence_penalty or self.frequency_penalty)
+
+
+def check_logprobs(name: str, k: object, vocab_size: int | None = None) -> None:
+    """A number of top alternatives per token (`SamplingParams.logprobs`, `fill`'s
+    `prompt_logprobs`): None or an integer in [0, MAX_LOGPROBS]; InvalidRequest naming
+    `name` otherwise."""
+    if k is not None and (
+        isinstance(k, bool)
+        or not isinstance(k, int)
+        or not 0 <= k <= min(MAX_LOGPROBS, vocab_size or MAX_LOGPROBS)
+    ):
+        raise InvalidRequest(f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {k!r}")

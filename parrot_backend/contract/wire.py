@@ -9,11 +9,13 @@
   streams **server-sent events**: one `data: {"token_id", "text", "finish_reason"}` frame
   per `TokenDelta`, the last one with `finish_reason` set (with `sampling.logprobs` set,
   a token's frame also has `"logprob"` and `"top_logprobs"`, a list of `[token_id,
-  logprob]` pairs, most likely first; with `sampling.prompt_logprobs` set, the first frame
-  also has `"prompt_logprobs"`: per prompt token `null` or `[logprob, [[token_id,
-  logprob], ...]]`); a failure after that point is an
+  logprob]` pairs, most likely first); a failure after that point is an
   `event: error` frame with the error body below. Comment lines (`: ping`) keep idle
   streams alive.
+- `POST /engine/fill` with `"prompt_logprobs": k` scores the tokens it appends
+  (`EngineClient.fill`): its answer also has `"prompt_logprobs"`, per appended token
+  `null` (the first) or `[logprob, [[token_id, logprob], ...]]`. Sent only when set (an
+  engine from before it refuses the field), answered only when asked.
 - Errors: `{"error": {"type": <engine error class>, "message": ...}}` with the statuses of
   `errors.HTTP_STATUS` (400 InvalidRequest, also malformed bodies; 404 ContextNotFound;
   409 ContextBusy; 507 OutOfMemory; 500 StepFailed), 503 RequestCancelled or EngineError
@@ -49,10 +51,14 @@ class FillRequest(_Body):
     token_ids: list[StrictInt] = Field(min_length=0)
     salt: str | None = None
     priority: int = 0
+    prompt_logprobs: StrictInt | None = None
 
 
 class FillResponse(BaseModel):
     length: int = Field(description="the context's length in tokens after the fill")
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = Field(
+        default=None, description="with prompt_logprobs asked: per appended token (`ScoredFill`)"
+    )
 
 
 class GenerateRequest(_Body):
@@ -194,11 +200,6 @@ def delta_frame(delta: TokenDelta) -> bytes:
     if delta.logprob is not None:
         payload["logprob"] = delta.logprob
         payload["top_logprobs"] = [[t, lp] for t, lp in delta.top_logprobs or ()]
-    if delta.prompt_logprobs is not None:
-        payload["prompt_logprobs"] = [
-            None if e is None else [e[0], [[t, lp] for t, lp in e[1]]]
-            for e in delta.prompt_logprobs
-        ]
     return sse_frame(payload)
 
 
@@ -214,12 +215,6 @@ def delta_from_json(payload: dict[str, Any]) -> TokenDelta:
     if payload.get("logprob") is not None:
         delta.logprob = float(payload["logprob"])
         delta.top_logprobs = [(int(t), float(lp)) for t, lp in payload.get("top_logprobs") or ()]
-    prompt = payload.get("prompt_logprobs")
-    if prompt is not None:
-        delta.prompt_logprobs = [
-            None if e is None else (float(e[0]), [(int(t), float(lp)) for t, lp in e[1]])
-            for e in prompt
-        ]
     return delta
 
 

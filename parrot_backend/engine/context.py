@@ -95,12 +95,14 @@ _ids = itertools.count()
 
 @dataclass(eq=False, slots=True)
 class PromptScores:
-    """A generation's prompt log probabilities (`SamplingParams.prompt_logprobs`), filled
-    by the steps that compute its prompt: `entries[i]` is token i's (logprob, top `k` as
-    (token id, logprob)), from the logits at position i - 1 (`entries[0]` stays None).
-    `tokens` is a copy of the prompt, so the compute thread never reads the context; a
-    position computed again (a preempted or retried step) overwrites its entry."""
+    """A scoring fill's log probabilities (`fill(..., prompt_logprobs=k)`), filled in by
+    the steps that compute its tokens: `entries[i]` is token `start + i`'s (logprob, top
+    `k` as (token id, logprob)), from the logits at position `start + i - 1`; `entries[0]`
+    stays None (that position is not the fill's). `tokens` is a copy of the tokens it
+    appended, so the compute thread never reads the context; a position computed again
+    (a preempted or retried step) overwrites its entry."""
 
+    start: int
     tokens: tuple[int, ...]
     k: int
     entries: list[tuple[float, list[tuple[int, float]]] | None]
@@ -125,20 +127,8 @@ class Request:
     done: bool = False
     eos_ids: frozenset[int] = frozenset()
     drafter: Drafter | None = None  # a greedy generation that may check draft tokens
-    # with `sampling.prompt_logprobs`: the prompt's entries while they are computed
-    # (`PromptScores`), made when the request first gets room in a step
+    # a fill that scores the tokens it appends: their entries while they are computed
     scores: PromptScores | None = None
-    prompt_sent: bool = False  # its prompt's entries went out (on its first delta)
-
-    @property
-    def wants_prompt(self) -> bool:
-        """A generation that must still compute its prompt's log probabilities: every
-        prompt position, none of the KV that a fill, its parent or the prefix cache has."""
-        return (
-            self.sampling is not None
-            and self.sampling.prompt_logprobs is not None
-            and not self.prompt_sent
-        )
 
     @property
     def pending(self) -> int:

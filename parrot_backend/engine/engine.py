@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from parrot_backend.contract.engine import EngineStats, TokenDelta
+from parrot_backend.contract.engine import EngineStats, ScoredFill, TokenDelta
 from parrot_backend.contract.errors import (
     ContextNotFound,
     EngineDead,
@@ -23,7 +23,7 @@ from parrot_backend.contract.errors import (
     InvalidRequest,
     RequestCancelled,
 )
-from parrot_backend.contract.sampling import Constraint, SamplingParams
+from parrot_backend.contract.sampling import Constraint, SamplingParams, check_logprobs
 
 from .attention import make_backend
 from .block_pool import BlockPool
@@ -37,7 +37,7 @@ from .config import (
     pick_share,
     pick_speculate,
 )
-from .context import Context, Request
+from .context import Context, PromptScores, Request
 from .context_tree import ContextTree
 from .detokenizer import Detokenizer
 from .grammar import GrammarCompiler
@@ -63,7 +63,7 @@ class Engine(StepLoop):
     joins_forks = True
     # `SamplingParams.logprobs` is honoured: deltas carry logprob and top_logprobs
     supports_logprobs = True
-    # `SamplingParams.prompt_logprobs` too: the first delta carries the prompt's entries
+    # `fill(..., prompt_logprobs=k)` too: the fill scores the tokens it appends
     supports_prompt_logprobs = True
 
     def __init__(
@@ -222,9 +222,15 @@ class Engine(StepLoop):
         *,
         salt: str | None = None,
         priority: int = 0,
-    ) -> int:
-        """Append tokens to a context and compute their KV; returns the context length."""
+        prompt_logprobs: int | None = None,
+    ) -> int | ScoredFill:
+        """Append tokens to a context and compute their KV; returns the context length.
+
+        With `prompt_logprobs` k, a `ScoredFill`: the fill computes every token it appends
+        (the prefix cache serves only the tokens before them) and, in each prefill chunk,
+        the lm-head and log-softmax over its positions (`ModelRunner._score_prompt`)."""
         self._check_alive()
+        check_logprobs("prompt_logprobs", prompt_logprobs, self.vocab_size)
         if not isinstance(token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids
         ):
@@ -237,16 +243,24 @@ class Engine(StepLoop):
         ctx = self.tree.open(context_id, parent_id, salt)
         self.tree.check_length(ctx, len(token_ids), 0)
         self.tree.register(ctx)
-        ctx.tokens.extend(token_ids)
         req = Request(
             "fill", ctx, future=asyncio.get_running_loop().create_future(), priority=priority
         )
+        if prompt_logprobs is not None:
+            n = len(token_ids)
+            req.scores = PromptScores(
+                len(ctx.tokens), tuple(token_ids), prompt_logprobs, [None] * n
+            )
+        ctx.tokens.extend(token_ids)
         self._submit(req)
         try:
-            return await asyncio.shield(req.future)
+            length = await asyncio.shield(req.future)
         except asyncio.CancelledError:
             self._cancel(req)
             raise
+        if req.scores is None:
+            return length
+        return ScoredFill(length, req.scores.entries)
 
     async def generate(
         self,
@@ -275,7 +289,7 @@ class Engine(StepLoop):
         ctx = self.tree.open(context_id, parent_id, salt)
         if not ctx.tokens:
             raise InvalidRequest("cannot generate from an empty context: fill it first")
-        self.tree.check_length(ctx, 0, 1 if sampling.max_tokens else 0)
+        self.tree.check_length(ctx, 0, 1)
         self.tree.register(ctx)
         req = Request(
             "generate",

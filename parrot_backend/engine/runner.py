@@ -59,8 +59,8 @@ class Batch:
     # per sequence: draft tokens computed after its context's last token (their greedy
     # checks make the row's result a list of tokens, `speculate.accept`), or None
     drafts: list[list[int] | None]
-    # per sequence: the prompt log probabilities its chunk's positions fill in
-    # (`SamplingParams.prompt_logprobs`), or None (the rows that did not ask: no extra work)
+    # per sequence: the log probabilities its chunk's positions fill in (a scoring fill,
+    # `fill(..., prompt_logprobs=k)`), or None (the rows that did not ask: no extra work)
     scores: list[PromptScores | None]
 
 
@@ -175,7 +175,7 @@ class ModelRunner:
             tables.append(blocks)
             samplers.append(w.req.sampler if w.samples else None)
             drafts.append(draft or None)
-            scores.append(w.req.scores if w.req.wants_prompt else None)
+            scores.append(w.req.scores)
         return Batch(
             ids,
             positions,
@@ -279,7 +279,7 @@ class ModelRunner:
         last: list[torch.Tensor] = []  # final hidden states to sample from, in this order
         who: list[tuple[int, Sampler]] = []
         checks: list[tuple[int, torch.Tensor, list[int], Sampler]] = []  # rows with drafts
-        failed: dict[int, BaseException] = {}  # rows whose prompt scoring failed
+        failed: dict[int, BaseException] = {}  # rows whose scoring failed
         if hidden is not None:
             for i, j in enumerate(batch.rows):
                 end = batch.query_start[i + 1]
@@ -319,16 +319,20 @@ class ModelRunner:
         return out
 
     def _score_prompt(self, scores: PromptScores, hidden: torch.Tensor, start: int) -> None:
-        """Fill in the prompt entries that a chunk's positions [start, start + len(hidden))
+        """Fill in the entries that a chunk's positions [start, start + len(hidden))
         predict: position p's log-softmax of the raw logits gives token p + 1's logprob and
-        the top `k` (the prompt's last position predicts the first generated token: the
-        sampler's, not an entry). In slices of `PROMPT_LOGITS_ROWS` positions."""
+        the top `k`, for the fill's tokens after its first (positions before the fill, a
+        chunk that starts earlier, and the fill's last position, which predicts the next
+        request's token, give none). In slices of `PROMPT_LOGITS_ROWS` positions."""
         tokens, k = scores.tokens, scores.k
-        m = min(len(hidden), len(tokens) - 1 - start)
-        for a in range(0, max(m, 0), PROMPT_LOGITS_ROWS):
-            b = min(a + PROMPT_LOGITS_ROWS, m)
-            lp = torch.log_softmax(self.model.logits(hidden[a:b]).float(), dim=-1)
-            targets = torch.tensor(tokens[start + a + 1 : start + b + 1], device=lp.device)
+        lo = max(start, scores.start)  # the first position that predicts a fill's token
+        hi = min(start + len(hidden), scores.start + len(tokens) - 1)  # past the last
+        for a in range(lo, hi, PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, hi)
+            h = hidden[a - start : b - start]
+            lp = torch.log_softmax(self.model.logits(h).float(), dim=-1)
+            first = a + 1 - scores.start  # the entry of position a's next token
+            targets = torch.tensor(tokens[first : first + b - a], device=lp.device)
             chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
             if k:
                 values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
@@ -339,7 +343,7 @@ class ModelRunner:
             else:
                 tops = [[] for _ in chosen]
             for r, (c, top) in enumerate(zip(chosen, tops, strict=True)):
-                scores.entries[start + a + r + 1] = (c, top)
+                scores.entries[first + r] = (c, top)
 
     def _check_drafts(
         self, checks: list[tuple[int, torch.Tensor, list[int], Sampler]], out: list[StepResult]

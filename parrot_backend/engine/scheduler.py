@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from parrot_backend.contract.errors import OutOfMemory
 
 from .block_pool import BlockPool
-from .context import Context, PromptScores, Request
+from .context import Context, Request
 
 
 @dataclass(slots=True)
@@ -76,13 +76,8 @@ class Work:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the context, so the step samples a token
-        (not for a generation of 0 tokens, which only scores its prompt)."""
-        return (
-            self.req.kind == "generate"
-            and self.start + self.n == len(self.req.ctx.tokens)
-            and self.req.sampling.max_tokens > 0
-        )
+        """Whether this chunk reaches the end of the context, so the step samples a token."""
+        return self.req.kind == "generate" and self.start + self.n == len(self.req.ctx.tokens)
 
 
 # A request whose next blocks another request computes in this step waits for the next
@@ -272,19 +267,17 @@ class Scheduler:
                 # admitted together, and the later ones find the blocks the first computed
                 # meanwhile (8 concurrent 1,024-token prompts: the rest hit at admission only
                 # where they came a step late, 4,600-8,200 of 8,200 tokens computed)
-                if req.wants_prompt:
-                    self._score_prompt(req)  # every prompt position: nothing reused
-                else:
-                    self._match_prefix(ctx)
-                if not req.wants_prompt and self._in_flight(ctx, computing) >= DEDUPE_MIN_TOKENS:
+                scores = req.scores
+                # a scoring fill computes every token it appends (the logits of each
+                # position): only the tokens before it may come from the cache
+                self._match_prefix(ctx, len(ctx.tokens) if scores is None else scores.start)
+                if scores is None and self._in_flight(ctx, computing) >= DEDUPE_MIN_TOKENS:
                     # its next blocks are being computed in this step by another request: it
                     # starts next step and takes them from the cache. Not for a block or two
                     # (forks whose first own block holds the same text): a step more for
                     # the request would cost more than computing them twice
                     continue
                 req.matched = True
-            if req.wants_prompt and not req.matched:
-                continue  # its prompt is computed again from its start, in a step with room
             if req.kind == "generate" and req.pending == 0:
                 if req.generated == 0 and ctx.kept_hidden() is not None:
                     # the fill that ended the prompt kept its last hidden state (this
@@ -351,8 +344,8 @@ class Scheduler:
                 if budget <= 0 or len(self.running) >= self.max_num_seqs:
                     break
                 ctx = req.ctx
-                if ctx.attached or ctx.queue[0] is not req or req.wants_prompt:
-                    continue  # (a prompt's log probabilities need all of it computed anew)
+                if ctx.attached or ctx.queue[0] is not req:
+                    continue
                 filling = ends.get(id(ctx.parent))
                 if filling is None or len(ctx.parent.queue) != 1:
                     continue
@@ -403,8 +396,8 @@ class Scheduler:
         drafts the tokens its grammar forces, else a prompt-lookup guess cut where the
         grammar stops allowing it."""
         drafter = req.drafter
-        if drafter is None or req.wants_prompt:
-            return None  # (the chunk that scores a prompt checks no drafts)
+        if drafter is None:
+            return None
         k = min(self.speculate, room, req.sampling.max_tokens - req.generated - 1)
         ctx = req.ctx
         if self.max_model_len is not None:
@@ -500,8 +493,9 @@ class Scheduler:
         ctx.blocks = []
         ctx.num_computed = ctx.kept_blocks = 0
 
-    def _match_prefix(self, ctx: Context) -> None:
-        """Take cached full blocks for the next uncomputed part of the context.
+    def _match_prefix(self, ctx: Context, upto: int) -> None:
+        """Take cached full blocks for the next uncomputed part of the context's first
+        `upto` tokens.
 
         Also from inside a block: a fork whose parent ends mid-block holds the parent's
         partial block, and a cached full block with the same chain hash holds the same
@@ -511,7 +505,7 @@ class Scheduler:
         bs = self.pool.block_size
         if not self.pool.prefix_cache:
             return
-        while (ctx.num_computed // bs + 1) * bs <= len(ctx.tokens):
+        while (ctx.num_computed // bs + 1) * bs <= upto:
             k = ctx.num_computed // bs
             toks = tuple(ctx.tokens[k * bs : (k + 1) * bs])
             block = self.pool.lookup(ctx.block_hash(k), toks)
@@ -523,22 +517,6 @@ class Scheduler:
             else:
                 ctx.blocks.append(block)
             ctx.num_computed = (k + 1) * bs
-
-    def _score_prompt(self, req: Request) -> None:
-        """Make a generation that asks its prompt's log probabilities compute every prompt
-        position: the context drops all its KV (its own fill's, a parent's blocks, cached
-        ones), so its prefill chunks start at position 0 and give the logits of each.
-        Simplest correct: no reuse at all for such a request (its prompt is computed once
-        more, after the fill that computed it; a fork's too). Its blocks are registered
-        in the prefix cache again as they fill."""
-        ctx = req.ctx
-        for b in ctx.blocks:
-            self.pool.decref(b)
-        ctx.blocks = []
-        ctx.num_computed = ctx.kept_blocks = 0
-        if req.scores is None:  # (kept when preempted: positions computed again overwrite)
-            n = len(ctx.tokens)
-            req.scores = PromptScores(tuple(ctx.tokens), req.sampling.prompt_logprobs, [None] * n)
 
     def _in_flight(self, ctx: Context, computing: set[int]) -> int:
         """Tokens of the context's next uncomputed full blocks that are among `computing`

@@ -475,8 +475,6 @@ class StepLoop:
                     req.future.set_result(len(ctx.tokens))
                 continue
             if token is None:
-                if req.wants_prompt and req.sampling.max_tokens == 0 and req.pending == 0:
-                    self._emit_prompt_only(req)  # its prompt is scored: nothing to generate
                 continue
             self._emit(req, token)
         for fork, fill in joined.values():
@@ -504,25 +502,8 @@ class StepLoop:
         req.ctx.num_computed = min(end + len(tokens) - 1, len(req.ctx.tokens))
         self.tokens_computed += req.ctx.num_computed - end
 
-    @staticmethod
-    def _prompt_entries(req: Request) -> list | None:
-        """The prompt's log probabilities, once, for the request's first delta (None when
-        not asked or already sent)."""
-        if not req.wants_prompt:
-            return None
-        req.prompt_sent = True
-        scores, req.scores = req.scores, None
-        return scores.entries if scores is not None else None
-
-    def _emit_prompt_only(self, req: Request) -> None:
-        """End a generation of 0 tokens: its one delta carries the prompt's entries."""
-        entries = self._prompt_entries(req)
-        self._finish(req)
-        req.out.put_nowait(TokenDelta(None, "", "length", prompt_logprobs=entries))
-
     def _emit(self, req: Request, token: int) -> None:
         ctx, p = req.ctx, req.sampling
-        prompt = self._prompt_entries(req)
         req.generated += 1
         self.tokens_generated += 1
         finish = None
@@ -563,4 +544,4 @@ class StepLoop:
                 finish = "length"
         if finish is not None:
             self._finish(req)
-        req.out.put_nowait(TokenDelta(token, text, finish, logprob, top, prompt))
+        req.out.put_nowait(TokenDelta(token, text, finish, logprob, top))

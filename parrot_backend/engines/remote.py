@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from parrot_backend.contract.engine import EngineStats, TokenDelta
+from parrot_backend.contract.engine import EngineStats, ScoredFill, TokenDelta
 from parrot_backend.contract.errors import EngineUnavailable, InvalidRequest
 from parrot_backend.contract.sampling import SamplingParams
 from parrot_backend.contract.wire import (
@@ -81,7 +81,7 @@ class RemoteEngine:
 
     # the engine's deltas carry `SamplingParams.logprobs` over the wire (`wire.delta_frame`)
     supports_logprobs = True
-    # ... and `SamplingParams.prompt_logprobs` (the first delta's `prompt_logprobs`)
+    # ... and scores a fill's tokens (`fill(..., prompt_logprobs=k)`, the fill's answer)
     supports_prompt_logprobs = True
 
     def __init__(
@@ -230,9 +230,11 @@ class RemoteEngine:
         *,
         salt: str | None = None,
         priority: int = 0,
-    ) -> int:
+        prompt_logprobs: int | None = None,
+    ) -> int | ScoredFill:
         """Append tokens to a context (forking it from `parent_id` if new); returns its
-        length. Cancelling the awaiting task cancels the remote fill."""
+        length (with `prompt_logprobs`, a `ScoredFill`: the engine's entries). Cancelling
+        the awaiting task cancels the remote fill."""
         check_context_id(context_id, "context_id")
         check_context_id(parent_id, "parent_id")
         body = {
@@ -242,8 +244,16 @@ class RemoteEngine:
             "salt": salt,
             "priority": priority,
         }
+        if prompt_logprobs is not None:  # (an engine from before it refuses the field)
+            body["prompt_logprobs"] = prompt_logprobs
         data = await self._post("/engine/fill", body, timeout=None)
-        return int(data["length"])
+        if prompt_logprobs is None:
+            return int(data["length"])
+        entries = [
+            None if e is None else (float(e[0]), [(int(t), float(lp)) for t, lp in e[1]])
+            for e in data["prompt_logprobs"]
+        ]
+        return ScoredFill(int(data["length"]), entries)
 
     async def generate(
         self,
@@ -262,10 +272,8 @@ class RemoteEngine:
             raise InvalidRequest("sampling must be a SamplingParams")
         self._check_open()
         wire_sampling = asdict(sampling)
-        # (an engine from before these fields refuses them: sent only when set)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(sampling, name) is None:
-                del wire_sampling[name]
+        if sampling.logprobs is None:  # (an engine from before logprobs refuses the field)
+            del wire_sampling["logprobs"]
         body = {
             "context_id": context_id,
             "parent_id": parent_id,

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..contract.engine import EngineStats
+from ..contract.engine import EngineStats, ScoredFill
 from ..contract.errors import ContextBusy, ContextNotFound, EngineError
 from ..contract.wire import (
     HEALTH_PATH,
@@ -202,6 +202,7 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
     @app.post(
         "/engine/fill",
         response_model=FillResponse,
+        response_model_exclude_none=True,  # `prompt_logprobs` only when asked
         responses={
             400: {"model": ErrorResponse},
             404: {"model": ErrorResponse},
@@ -210,7 +211,9 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
         },
     )
     async def fill(body: FillRequest, request: Request) -> FillResponse | JSONResponse:
-        gone, length = await _race_disconnect(
+        # (the keyword only when asked: an engine that does not score takes no such keyword)
+        scoring = {} if body.prompt_logprobs is None else {"prompt_logprobs": body.prompt_logprobs}
+        gone, result = await _race_disconnect(
             request,
             engine.fill(
                 body.context_id,
@@ -218,11 +221,14 @@ def create_engine_app(engine, *, api_key: str, manage_engine: bool = False) -> F
                 body.token_ids,
                 salt=body.salt,
                 priority=body.priority,
+                **scoring,
             ),
         )
         if gone:  # nobody reads this; the fill was cancelled
             return error_response(503, "RequestCancelled", "client disconnected")
-        return FillResponse(length=length)
+        if isinstance(result, ScoredFill):
+            return FillResponse(length=result.length, prompt_logprobs=result.prompt_logprobs)
+        return FillResponse(length=result)
 
     @app.post(
         "/engine/generate",

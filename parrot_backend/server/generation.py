@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from ..contract.engine import EngineClient, TokenDelta
+from ..contract.engine import EngineClient, PromptEntry, TokenDelta
 from ..contract.errors import ContextNotFound
 from ..contract.sampling import SamplingParams
 from .limits import Slot
@@ -44,6 +44,10 @@ class RequestRun:
 
     n == 1 generates straight into the prompt's context. n > 1 fills the prompt once and
     forks one child context per choice, so the choices share the prompt's KV blocks.
+    With `prompt_logprobs` k the fill also scores the prompt (`EngineClient.fill`): its
+    entries are `prompt_entries` once the prefill is done, one scoring for every choice.
+    `sampling` None asks for the prompt alone: nothing is generated, and each choice ends
+    ("length") with no token.
     """
 
     def __init__(
@@ -51,13 +55,14 @@ class RequestRun:
         engine: EngineClient,
         *,
         prompt_ids: list[int],
-        sampling: SamplingParams,
+        sampling: SamplingParams | None,
         n: int,
         salt: str | None,
         metrics: ServerMetrics,
         endpoint: str,
         slot: Slot,
         started: float,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.engine = engine
         self.prompt_ids = prompt_ids
@@ -68,6 +73,8 @@ class RequestRun:
         self.endpoint = endpoint
         self._slot = slot
         self.started = started
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_entries: list[PromptEntry | None] | None = None  # the fill's, when asked
         self.root_id = f"oai-{uuid.uuid4().hex}"
         self.child_ids = [self.root_id] if n == 1 else [f"{self.root_id}/{i}" for i in range(n)]
         self.completion_tokens = [0] * n
@@ -80,6 +87,7 @@ class RequestRun:
         self._live = 0
         self._closed = False
         self._pending: asyncio.Task | None = None  # a prefill the stream started without
+        self._ended = 0  # choices ended without a generation (`sampling` None)
         metrics.requests_running.inc()
         metrics.prompt_tokens.inc(len(prompt_ids))
 
@@ -98,7 +106,17 @@ class RequestRun:
     async def prefill(self) -> None:
         """Compute the prompt's KV. Errors here still reach the client as an HTTP status."""
         self._filled = True  # set first: a fill that fails half-way may have created it
-        await self.engine.fill(self.root_id, None, self.prompt_ids, salt=self.salt)
+        if self.prompt_logprobs is None:
+            await self.engine.fill(self.root_id, None, self.prompt_ids, salt=self.salt)
+            return
+        scored = await self.engine.fill(
+            self.root_id,
+            None,
+            self.prompt_ids,
+            salt=self.salt,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+        self.prompt_entries = scored.prompt_logprobs
 
     async def start(self, wait_s: float | None = None) -> bool:
         """Prefill the prompt, waiting at most `wait_s` seconds (None: to the end).
@@ -140,6 +158,11 @@ class RequestRun:
         if self._pending is not None:  # the stream started before the prefill ended
             task, self._pending = self._pending, None
             await task  # (a cancelled iteration cancels the prefill with it)
+        if self.sampling is None:  # the prompt alone: each choice ends, nothing generated
+            if self._ended == self.n:
+                raise StopAsyncIteration
+            self._ended += 1
+            return self._record(self._ended - 1, TokenDelta(None, "", "length"))
         if self.n == 1:
             if self._iter is None:
                 self._iter = aiter(
@@ -215,7 +238,7 @@ class RequestRun:
             if self._iter is not None:
                 await _aclose(self._iter)
             if self._filled:
-                ids = self.child_ids[:] if self.n > 1 else []
+                ids = self.child_ids[:] if self._tasks else []  # forks made by the pumps
                 for ctx in [*ids, self.root_id]:  # children before their parent
                     await self._free(ctx)
         if scope.cancel_called:

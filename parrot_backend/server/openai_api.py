@@ -16,7 +16,7 @@ from ..contract.engine import TokenDelta
 from ..contract.sampling import SamplingParams
 from .errors import APIError
 from .generation import RequestRun
-from .openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, has_entries
+from .openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, has_logprob
 from .openai_prep import (
     build_sampling,
     chat_prompt,
@@ -77,11 +77,12 @@ async def _admit(
     state: ServerState,
     request: Request,
     prompt_ids: list[int],
-    sampling: SamplingParams,
+    sampling: SamplingParams | None,
     n: int,
     endpoint: str,
     started: float,
     stream: bool,
+    prompt_logprobs: int | None = None,
 ) -> RequestRun | None:
     """Take an in-flight slot (429 beyond the bound) and prefill the prompt. Returns None
     when the client left during the prefill (it may wait in the engine's queue).
@@ -105,6 +106,7 @@ async def _admit(
         endpoint=endpoint,
         slot=slot,
         started=started,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         wait_s = state.settings.stream_start_s if stream else None
@@ -162,7 +164,7 @@ async def _collect(
     async def drain() -> None:
         async for index, delta in run:
             texts[index].append(delta.text)
-            if has_entries(delta):
+            if has_logprob(delta):
                 scored[index].append(delta)
 
     disconnected, _ = await until_disconnect(request, drain)
@@ -211,21 +213,22 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     logprobs = logprobs_of(state, body)
     prompt_logprobs = prompt_logprobs_of(state, body, logprobs)
     max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
-    # the prompt alone, as it was sent: nothing for the engine (its parameters are still
-    # checked, as a generation's)
-    echo_only = max_tokens == 0 and prompt_logprobs is None
-    sampling = build_sampling(
-        state,
-        body,
-        1 if echo_only else max_tokens,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-    )
-    if echo_only:
+    # max_tokens 0: the prompt alone, nothing generated (its parameters are still checked,
+    # as a generation's); scored by the fill with logprobs, else nothing for the engine
+    sampling = build_sampling(state, body, max_tokens or 1, logprobs=logprobs)
+    if max_tokens == 0 and prompt_logprobs is None:
         run = EchoOnly(n, len(prompt_ids))
     else:
         run = await _admit(
-            state, request, prompt_ids, sampling, n, "completions", started, bool(body.stream)
+            state,
+            request,
+            prompt_ids,
+            sampling if max_tokens else None,
+            n,
+            "completions",
+            started,
+            bool(body.stream),
+            prompt_logprobs,
         )
     if run is None:
         return Response(status_code=499)  # the client left during the prefill
@@ -249,15 +252,15 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     if collected is None:
         return Response(status_code=499)  # nobody is listening
     texts, scored = collected
+    # echo with logprobs: the fill's entries of the prompt, first on every choice
+    prompt = None if prompt_logprobs is None else (prompt_ids, run.prompt_entries)
     choices = [
         CompletionChoice(
             index=i,
             text=echo + t,
             logprobs=None
             if token_texts is None
-            else CompletionOffsets(
-                token_texts, prompt_ids=prompt_ids if prompt_logprobs is not None else None
-            ).take(s),
+            else CompletionOffsets(token_texts).take(s, prompt),
             finish_reason=run.finish_reasons[i],
         )
         for i, (t, s) in enumerate(zip(texts, scored, strict=True))

@@ -11,8 +11,9 @@ OpenAI's answers. Entries are per choice, and a stream's chunk carries the entri
 tokens generated since that choice's previous chunk (a token whose text is held back, a
 partial character or a possible stop string, goes with the next chunk of its choice).
 
-Legacy completions with `echo` and `logprobs` list the prompt's tokens first (the engine's
-`TokenDelta.prompt_logprobs`, on a choice's first delta, so on its first chunk): the first
+Legacy completions with `echo` and `logprobs` list the prompt's tokens first (the entries
+of the fill that computed the prompt, `ScoredFill`, the same on every choice, on a choice's
+first chunk when streamed): the first
 prompt token has `null` logprob and alternatives (OpenAI's shape), the others the logprob
 given the tokens before and the top alternatives plus the token itself; `text_offset`
 starts at 0 with the prompt, and the generated tokens' offsets go on from there.
@@ -20,7 +21,7 @@ starts at 0 with the prompt, and the generated tokens' offsets go on from there.
 
 from __future__ import annotations
 
-from ..contract.engine import EngineClient, TokenDelta
+from ..contract.engine import EngineClient, PromptEntry, TokenDelta
 from .openai_schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
@@ -40,11 +41,6 @@ class TokenTexts:
 
 def has_logprob(delta: TokenDelta) -> bool:
     return delta.token_id is not None and delta.logprob is not None
-
-
-def has_entries(delta: TokenDelta) -> bool:
-    """Whether a delta carries any log probabilities: its token's, or the prompt's."""
-    return has_logprob(delta) or delta.prompt_logprobs is not None
 
 
 def chat_entries(texts: TokenTexts, deltas: list[TokenDelta]) -> list[TokenLogprob]:
@@ -73,20 +69,18 @@ def chat_logprobs(texts: TokenTexts, deltas: list[TokenDelta]) -> ChoiceLogprobs
 class CompletionOffsets:
     """Legacy completions' logprobs of one choice, built chunk by chunk: `text_offset`
     counts on from the tokens before (each token's offset is the length of the token texts
-    before it, from `start`). With `prompt_ids` (echo with logprobs), a delta's
-    `prompt_logprobs` put the prompt's tokens first."""
+    before it, from `start`). `take`'s `prompt` (echo with logprobs: the prompt's ids and
+    the fill's entries) puts the prompt's tokens first."""
 
-    def __init__(
-        self, texts: TokenTexts, start: int = 0, prompt_ids: list[int] | None = None
-    ) -> None:
+    def __init__(self, texts: TokenTexts, start: int = 0) -> None:
         self._texts = texts
         self.offset = start
-        self._prompt_ids = prompt_ids
 
-    def _prompt(self, out: CompletionLogprobs, entries: list) -> None:
-        for i, tid in enumerate(self._prompt_ids or ()):
+    def _prompt(
+        self, out: CompletionLogprobs, ids: list[int], entries: list[PromptEntry | None]
+    ) -> None:
+        for tid, entry in zip(ids, entries, strict=True):
             token = self._texts(tid)
-            entry = entries[i] if i < len(entries) else None
             out.tokens.append(token)
             out.text_offset.append(self.offset)
             self.offset += len(token)
@@ -102,11 +96,15 @@ class CompletionOffsets:
             out.token_logprobs.append(logprob)
             out.top_logprobs.append(top)
 
-    def take(self, deltas: list[TokenDelta]) -> CompletionLogprobs:
+    def take(
+        self,
+        deltas: list[TokenDelta],
+        prompt: tuple[list[int], list[PromptEntry | None]] | None = None,
+    ) -> CompletionLogprobs:
         out = CompletionLogprobs()
+        if prompt is not None:
+            self._prompt(out, *prompt)
         for d in deltas:
-            if d.prompt_logprobs is not None and self._prompt_ids is not None:
-                self._prompt(out, d.prompt_logprobs)
             if not has_logprob(d):
                 continue
             token = self._texts(d.token_id)

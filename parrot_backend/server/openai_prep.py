@@ -149,8 +149,8 @@ def logprobs_of(state: ServerState, body: CompletionRequest | ChatCompletionRequ
 
 
 def prompt_logprobs_of(state: ServerState, body: CompletionRequest, k: int | None) -> int | None:
-    """The top alternatives asked per prompt token (`SamplingParams.prompt_logprobs`):
-    legacy completions' `echo` with `logprobs` scores the prompt too; None otherwise.
+    """The top alternatives asked per prompt token (the fill's `prompt_logprobs`): legacy
+    completions' `echo` with `logprobs` scores the prompt too; None otherwise.
     400 when the engine cannot return them."""
     if not body.echo or k is None:
         return None
@@ -180,7 +180,6 @@ def build_sampling(
     max_tokens: int,
     constraint: Constraint | None = None,
     logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -194,7 +193,6 @@ def build_sampling(
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
         logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate(state.vocab_size)

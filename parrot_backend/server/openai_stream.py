@@ -11,13 +11,7 @@ from ..contract.errors import EngineError
 from ..engine.grammar_tools import Event, ToolCallParser, parse_tool_calls
 from .errors import APIError, from_engine_error
 from .generation import RequestRun
-from .openai_logprobs import (
-    CompletionOffsets,
-    TokenTexts,
-    chat_entries,
-    has_entries,
-    has_logprob,
-)
+from .openai_logprobs import CompletionOffsets, TokenTexts, chat_entries, has_logprob
 from .openai_schemas import (
     AssistantMessage,
     ChatChunkChoice,
@@ -73,19 +67,21 @@ async def completion_events(
     """With `token_texts` (logprobs asked), each chunk carries the logprobs of its
     choice's tokens since that choice's previous chunk (`openai_logprobs`); with
     `prompt_ids` (echo with logprobs), a choice's first chunk, which carries the echoed
-    prompt, has the prompt's entries first."""
+    prompt, has the prompt's entries first (the fill's, `RequestRun.prompt_entries`: done
+    once a delta came)."""
     echoed: set[int] = set()
-    offsets = (
-        [CompletionOffsets(token_texts, prompt_ids=prompt_ids) for _ in range(run.n)]
-        if token_texts
-        else None
-    )
+    offsets = [CompletionOffsets(token_texts) for _ in range(run.n)] if token_texts else None
     pending: list[list] = [[] for _ in range(run.n)]
+    scored: set[int] = set()  # the choices whose chunks carried the prompt's entries
 
     def take(index: int) -> CompletionLogprobs | None:
         if offsets is None:
             return None
-        out = offsets[index].take(pending[index])
+        prompt = None
+        if prompt_ids is not None and index not in scored:
+            scored.add(index)
+            prompt = (prompt_ids, run.prompt_entries)
+        out = offsets[index].take(pending[index], prompt)
         pending[index] = []
         return out
 
@@ -95,7 +91,7 @@ async def completion_events(
             if echo and index not in echoed:
                 echoed.add(index)
                 text = echo + text
-            if offsets is not None and has_entries(delta):
+            if offsets is not None and has_logprob(delta):
                 pending[index].append(delta)
             if text:
                 yield _completion_chunk(meta, index, text, None, take(index))

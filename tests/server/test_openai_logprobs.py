@@ -406,8 +406,8 @@ async def test_echo_with_max_tokens_zero_and_no_logprobs_is_the_prompt(client, e
 
 
 async def test_prompt_logprobs_over_a_remote_engine(engine, tiny_model_dir, scores):
-    """`prompt_logprobs` go to the engine API and its entries come back (`wire`)."""
-    from parrot_backend.contract.sampling import SamplingParams
+    """A fill's `prompt_logprobs` go to the engine API and its entries come back (`wire`)."""
+    from parrot_backend.contract.engine import ScoredFill
     from parrot_backend.engines.remote import RemoteEngine
     from parrot_backend.server.engine_api import create_engine_app
 
@@ -424,12 +424,15 @@ async def test_prompt_logprobs_over_a_remote_engine(engine, tiny_model_dir, scor
             "http://e", api_key=key, info=info, tokenizer=engine.tokenizer, client=http
         )
         prompt = engine.tokenize(PROMPT)
-        await remote.fill("r", None, prompt)
-        sampling = SamplingParams(max_tokens=0, prompt_logprobs=3)
-        deltas = [d async for d in remote.generate("r", None, sampling)]
+        filled = await remote.fill("r", None, prompt, prompt_logprobs=3)
         await remote.free("r")
-        assert len(deltas) == 1 and deltas[0].finish_reason == "length"
-        entries = deltas[0].prompt_logprobs
+        assert isinstance(filled, ScoredFill) and filled.length == len(prompt)
+        entries = filled.prompt_logprobs
+        # a plain fill's answer is as before: the length alone
+        plain = await http.post("/engine/fill", json={"context_id": "p", "token_ids": prompt})
+        assert plain.json() == {"length": len(prompt)}
+        assert await remote.fill("p", None, [5]) == len(prompt) + 1
+        await remote.free("p")
         ref = scores(prompt)
         assert entries[0] is None and len(entries) == len(prompt)
         for i in range(1, len(prompt)):
@@ -445,3 +448,36 @@ async def test_prompt_logprobs_over_a_remote_engine(engine, tiny_model_dir, scor
         )
         await http.aclose()
     assert engine.contexts == {}
+
+
+@pytest.mark.parametrize(("n", "max_tokens"), [(1, 3), (2, 3), (2, 0)])
+async def test_echo_with_logprobs_computes_the_prompt_once(client, engine, n, max_tokens):
+    """The fill that computes the prompt scores it: the choices (n=1 on the filled context,
+    n=2 forks of it) reuse its KV, and max_tokens 0 runs the fill alone. The engine's
+    prefill counter shows the prompt's tokens once, not once more per choice."""
+    # a prompt of its own (nothing of it cached by an earlier test)
+    prompt = f"{PROMPT} once, with n={n} and max_tokens={max_tokens}"
+    ids = engine.tokenize(prompt)
+    before = engine.stats_now()
+    r = await client.completions.create(
+        model=engine.model_name,
+        prompt=prompt,
+        echo=True,
+        logprobs=1,
+        temperature=0,
+        n=n,
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True},
+    )
+    after = engine.stats_now()
+    assert after.prefill_tokens_computed - before.prefill_tokens_computed == len(ids)
+    assert after.tokens_generated - before.tokens_generated == n * max_tokens
+    for c in r.choices:
+        assert c.logprobs.tokens[: len(ids)] == [engine.detokenize([t]) for t in ids]
+        assert c.logprobs.token_logprobs[0] is None
+        assert None not in c.logprobs.token_logprobs[1:]
+        # the same entries of the prompt on every choice
+        assert (
+            c.logprobs.token_logprobs[: len(ids)]
+            == r.choices[0].logprobs.token_logprobs[: len(ids)]
+        )

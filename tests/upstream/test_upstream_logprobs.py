@@ -146,7 +146,8 @@ async def test_upstreams_refuse_the_prompts_logprobs(kind) -> None:
     async with await connect(fake) as engine:
         assert not engine.supports_prompt_logprobs
         with pytest.raises(InvalidRequest, match=f"prompt's log probabilities.*{engine.kind}"):
-            await _generate(engine, max_tokens=0, prompt_logprobs=1)
+            await engine.fill("c", None, [ord(c) for c in "hi"], prompt_logprobs=1)
+        assert "c" not in engine.tree.contexts  # refused before anything is made
         app = create_app(engine, settings=ServerSettings())
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t"

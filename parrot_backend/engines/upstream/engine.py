@@ -273,8 +273,8 @@ class UpstreamEngine:
             f"{self.url}): it does not return them by token id (llama.cpp upstreams do)"
         )
 
-    # The prompt's log probabilities (`SamplingParams.prompt_logprobs`, OpenAI's `echo`
-    # with `logprobs`) are not asked of any upstream kind: refused with a 400.
+    # The prompt's log probabilities (`fill(..., prompt_logprobs=k)`, OpenAI's `echo` with
+    # `logprobs`) are not asked of any upstream kind: refused with a 400.
     supports_prompt_logprobs = False
 
     @property
@@ -305,10 +305,14 @@ class UpstreamEngine:
         *,
         salt: str | None = None,
         priority: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> int:
         """Append tokens to a context (forking it from `parent_id` if new); returns its
-        length. Sends nothing, except the parent's warm-up when this is its first child."""
+        length. Sends nothing, except the parent's warm-up when this is its first child.
+        Scoring the tokens (`prompt_logprobs`) is refused (`prompt_logprobs_refusal`)."""
         self._check_open()
+        if prompt_logprobs is not None:
+            raise InvalidRequest(self.prompt_logprobs_refusal)
         if not isinstance(token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids
         ):
@@ -348,8 +352,6 @@ class UpstreamEngine:
         sampling.validate(self.vocab_size)
         if sampling.logprobs is not None and not self.supports_logprobs:
             raise InvalidRequest(self.logprobs_refusal)
-        if sampling.prompt_logprobs is not None:
-            raise InvalidRequest(self.prompt_logprobs_refusal)
         if parent_id is None and context_id not in self.tree.contexts:
             raise ContextNotFound(
                 f"unknown context {context_id!r}: generate continues an "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, FastAPI
 
 from ..contract.engine import EngineClient
-from . import openai_api, ops
+from . import openai_api, ops, tokenize_api
 from .auth import OPEN_PATHS, Authenticator, AuthMiddleware
 from .errors import install_error_handlers
 from .limits import BodyLimitMiddleware, InflightLimiter, check_backlog
@@ -80,6 +80,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(ops.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)
     if native is not None:
         from . import native_api, native_events, native_workflows
 

@@ -2,9 +2,10 @@
 
 For `PARROT_CHAOS_SECONDS` (default 60) concurrent clients of two tenants create runs,
 stream their events and drop the connection at random points, cancel runs, stream
-OpenAI-compatible completions and close them after a few chunks, use open runs, replay
-runs, and send bad input (unstorable text, values beyond the model, malformed bodies,
-extreme but valid sampling values). Then:
+OpenAI-compatible completions (some with log probabilities, some scoring their prompt with
+`echo`) and close them after a few chunks, use open runs, replay runs, and send bad input
+(unstorable text, values beyond the model, malformed bodies, extreme but valid sampling
+values). Then:
 
 - no request got a 5xx, and no stream carried an error payload;
 - the server is up, and every run not cancelled finished (`done`) with the outputs of a
@@ -198,9 +199,12 @@ class Tally:
     runs: dict[str, tuple[str, bool]] = field(default_factory=dict)  # id -> (tenant, sampled)
     cancelled: set[str] = field(default_factory=set)
     actions: dict[str, int] = field(default_factory=dict)
+    scored: list[int] = field(default_factory=list)  # statuses of echo + logprobs requests
 
     def saw(self, r: httpx.Response, what: str) -> None:
         self.statuses.append(r.status_code)
+        if what.endswith("echo+logprobs"):
+            self.scored.append(r.status_code)
         if r.status_code >= 500:
             self.server_errors.append(f"{what}: {r.status_code} {r.text[:300]}")
 
@@ -293,12 +297,22 @@ async def openai(c, tally, tenant, rng) -> None:
     else:
         path = "/v1/completions"
         body["prompt"] = f"A story about {rng.choice(WORDS)}:"
+        if rng.random() < 0.35:  # scoring the prompt (a fill that scores), as harnesses do
+            body.update(echo=True, logprobs=rng.choice([0, 1, 3]), n=rng.choice([1, 1, 2]))
+            if rng.random() < 0.5:
+                body["max_tokens"] = 0
+    if rng.random() < 0.15 and "logprobs" not in body:
+        if chat:
+            body.update(logprobs=True, top_logprobs=2)
+        else:
+            body["logprobs"] = 2
+    what = f"{path} echo+logprobs" if body.get("echo") else path
     if rng.random() < 0.7:
         body["stream"] = True
         stop = None if rng.random() < 0.3 else rng.randint(1, 8)
-        await _stream(c, tally, tenant, "POST", path, body, stop, path)
+        await _stream(c, tally, tenant, "POST", path, body, stop, what)
     else:
-        await _request(c, tally, tenant, "POST", path, body)
+        await _request(c, tally, tenant, "POST", path, body, what)
 
 
 async def open_run(c, tally, tenant, rng) -> None:
@@ -502,9 +516,11 @@ def chaos(serve: Serve) -> None:
     done = sum(d["run"]["status"] == "done" for d in details.values())
     print(
         f"chaos: {len(tally.statuses)} requests, {len(details)} runs ({done} done, "
-        f"{len(tally.cancelled)} cancelled), {groups} replay groups, actions {tally.actions}"
+        f"{len(tally.cancelled)} cancelled), {groups} replay groups, actions {tally.actions}, "
+        f"prompts scored {tally.scored.count(200)} of {len(tally.scored)}"
     )
     assert done > 10 and groups > 3  # the test did what it says
+    assert len(tally.scored) < 5 or tally.scored.count(200) > 0, tally.scored
 
 
 def _serve(model_dir, tmp_path, database_url=None) -> Serve:

@@ -24,6 +24,8 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 CONSTRAINT_KINDS = ("json_schema", "regex", "choice", "lark")
 MAX_CONSTRAINT_CHARS = 1_000_000  # a grammar's source text; compiling more is a DoS vector
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,10 @@ class SamplingParams:
     # the model's log-softmax of the raw logits at that position: before penalties,
     # temperature, top-k/top-p and the grammar mask (OpenAI's and vLLM's default).
     logprobs: StrictInt | None = None
+    # OpenAI's logit_bias as (token id, bias) pairs, ids distinct, bias in [-100, 100]: added
+    # to those tokens' logits before penalties, temperature, top-k and top-p (greedy
+    # included; after a grammar's mask, which it cannot lift). Logprobs stay the model's.
+    logit_bias: tuple[tuple[StrictInt, float], ...] = ()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -157,6 +163,7 @@ class SamplingParams:
             ):
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {v!r}")
         check_logprobs("logprobs", self.logprobs, vocab_size)
+        self._check_logit_bias(vocab_size)
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidRequest("constraint must be a Constraint")
@@ -173,6 +180,38 @@ class SamplingParams:
                     "ignore_eos cannot be combined with a constraint "
                     "(the grammar decides where the text ends)"
                 )
+
+    def _check_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequest(
+                f"logit_bias must hold at most {MAX_LOGIT_BIAS_TOKENS} (token id, bias) pairs"
+            )
+        seen: set[int] = set()
+        for pair in bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidRequest("logit_bias must be (token id, bias) pairs")
+            tid, b = pair
+            if (
+                isinstance(tid, bool)
+                or not isinstance(tid, int)
+                or tid < 0
+                or (vocab_size is not None and tid >= vocab_size)
+            ):
+                raise InvalidRequest(
+                    f"logit_bias token id {tid!r} is outside the vocabulary"
+                    + (f" [0, {vocab_size})" if vocab_size is not None else "")
+                )
+            if tid in seen:
+                raise InvalidRequest(f"logit_bias names token id {tid} twice")
+            seen.add(tid)
+            if (
+                not isinstance(b, (int, float))
+                or isinstance(b, bool)
+                or not math.isfinite(b)
+                or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+            ):
+                raise InvalidRequest(f"logit_bias of token {tid} must be in [-100, 100], got {b!r}")
 
     @property
     def greedy(self) -> bool:

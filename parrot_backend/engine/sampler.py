@@ -15,7 +15,9 @@ it samples as usual. An unconstrained sampler never looks at a mask.
 Penalties (`presence_penalty`, `frequency_penalty`, OpenAI's definition) count the tokens
 this sampler has picked, in a vocabulary-sized row made at the first penalized step; they
 are applied after the grammar mask and before temperature, top-k and top-p, greedy
-included. A sampler without penalties keeps no counts.
+included. A sampler without penalties keeps no counts. `logit_bias` is added to its
+tokens' logits at the same place (after the mask, before the penalties); its ids and
+values become tensors once, at the first biased step.
 
 Log probabilities (`SamplingParams.logprobs`, not None): each call also records, in
 `logprobs`, the picked token's log probability and the top `logprobs` alternatives, from
@@ -97,6 +99,7 @@ class Sampler:
         self.banned: list[torch.Tensor] | GrammarError | None = None
         self.generator: torch.Generator | None = None
         self.counts: torch.Tensor | None = None  # tokens picked so far, with penalties only
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values), lazily
         # with logprobs: (logprob, [(token id, logprob)] top alternatives) per token picked
         # in the current step, in order (`token_logprobs`)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
@@ -114,7 +117,13 @@ class Sampler:
         """Its pick is the logits' argmax: greedy, no penalties, no constraint, no logprobs
         (the batched argmax of a row with drafts skips the sampler)."""
         p = self.params
-        return p.greedy and not p.penalized and self.grammar is None and p.logprobs is None
+        return (
+            p.greedy
+            and not p.penalized
+            and not p.logit_bias
+            and self.grammar is None
+            and p.logprobs is None
+        )
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Sample from a 1-D logits row (any float dtype)."""
@@ -126,6 +135,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor) -> int:
         if self.grammar is not None:
             logits = self._constrain(logits)
+        if self.params.logit_bias:
+            logits = self._bias(logits)
         if not self.params.penalized:
             return self._pick(logits)
         if self.counts is None:
@@ -133,6 +144,16 @@ class Sampler:
         token = self._pick(self._penalize(logits))
         self.counts[token] += 1
         return token
+
+    def _bias(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            pairs = self.params.logit_bias
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+            self.bias = ids, torch.tensor([b for _, b in pairs], dtype=torch.float32)
+        ids, values = self.bias
+        out = logits.float().clone()  # (never the caller's row: it serves other positions)
+        out[ids] += values  # ids are distinct (validated)
+        return out
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
         p, counts = self.params, self.counts

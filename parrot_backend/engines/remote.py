@@ -274,6 +274,8 @@ class RemoteEngine:
         wire_sampling = asdict(sampling)
         if sampling.logprobs is None:  # (an engine from before logprobs refuses the field)
             del wire_sampling["logprobs"]
+        if not sampling.logit_bias:  # (nor one from before logit_bias this one)
+            del wire_sampling["logit_bias"]
         body = {
             "context_id": context_id,
             "parent_id": parent_id,

@@ -10,16 +10,17 @@ Two request shapes cover the servers:
   the repeat penalty, DRY, XTC and typical sampling off (llama.cpp's defaults turn some
   on); presence and frequency penalties are passed on, over llama.cpp's window (the whole
   context with `repeat_last_n: -1`, prompt included, where OpenAI counts generated
-  tokens only).
+  tokens only); `logit_bias` as llama.cpp's `[[id, bias], ...]`.
   Constraints: `json_schema`, and `choice` as a GBNF grammar. Log probabilities
   (`SamplingParams.logprobs`) are asked as `n_probs` with `post_sampling_probs` off, so
   llama.cpp reports the softmax of the raw logits, as our engine does; each chunk's
   `completion_probabilities` entries carry the token ids (`id`, `logprob`, `top_logprobs`).
 - **OpenAI completions** (`POST /v1/completions`: vLLM, SGLang, parrot-backend, any other):
   the prompt as token ids (every one of these accepts a list of ints), `max_tokens`,
-  streamed with usage. vLLM also gets `return_token_ids` (each chunk's `token_ids`) and the
-  salt as `cache_salt`; other servers' chunks carry text only, and the adapter
-  re-tokenizes the text into the context when the generation ends. Constraints:
+  streamed with usage, `logit_bias` as OpenAI's `{"id": bias}`. vLLM also gets
+  `return_token_ids` (each chunk's `token_ids`) and the salt as `cache_salt`; other
+  servers' chunks carry text only, and the adapter re-tokenizes the text into the context
+  when the generation ends. Constraints:
   `json_schema` as `response_format`. No log probabilities: these servers key their
   alternatives by text, not by id (the engine refuses them).
 
@@ -108,6 +109,8 @@ def _llama_body(prompt: list[int], s: SamplingParams, max_new: int, stream: bool
         body["repeat_last_n"] = -1
     if s.seed is not None:
         body["seed"] = s.seed % (2**32)  # llama.cpp seeds are 32-bit
+    if s.logit_bias:
+        body["logit_bias"] = [[t, b] for t, b in s.logit_bias]  # llama.cpp's pairs
     if s.logprobs is not None:
         # the raw logits' softmax (not the sampler's); n_probs 0 would return none at all
         body["n_probs"] = max(s.logprobs, 1)
@@ -153,6 +156,8 @@ def _openai_body(
         body["frequency_penalty"] = s.frequency_penalty
     if s.seed is not None:
         body["seed"] = s.seed
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in s.logit_bias}  # OpenAI's: ids as keys
     if s.stop:
         body["stop"] = list(s.stop)
     if s.ignore_eos:

@@ -103,6 +103,10 @@ class RequestRun:
     def finished(self) -> bool:
         return all(r is not None for r in self.finish_reasons)
 
+    def choice_prompt(self, index: int) -> tuple[list[int], list[PromptEntry | None] | None]:
+        """Choice `index`'s prompt: its ids and the fill's entries (None unless scored)."""
+        return self.prompt_ids, self.prompt_entries
+
     async def prefill(self) -> None:
         """Compute the prompt's KV. Errors here still reach the client as an HTTP status."""
         self._filled = True  # set first: a fill that fails half-way may have created it
@@ -258,3 +262,98 @@ class RequestRun:
             pass  # never created (a child that did not start) or already gone
         except Exception as exc:
             log.error("freeing context %s failed: %r", ctx, exc)
+
+
+class BatchRun:
+    """Several prompts of one request (legacy completions' batch), each its own
+    `RequestRun` with `n` choices, run concurrently so the engine batches them. Yields
+    `(choice_index, TokenDelta)` with prompt i's choice j at index `i * n + j`, the
+    prompts' deltas interleaved as they come. A failure of any run ends the iteration with
+    its error; `close()` closes every run (each frees its contexts and its slot).
+    """
+
+    def __init__(self, runs: list[RequestRun], n: int) -> None:
+        self.runs = runs
+        self.per_prompt = n
+        self.n = len(runs) * n
+        self._queue: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._live = 0
+        self._closed = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.runs)
+
+    @property
+    def total_completion_tokens(self) -> int:
+        return sum(r.total_completion_tokens for r in self.runs)
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [reason for r in self.runs for reason in r.finish_reasons]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.runs)
+
+    def choice_prompt(self, index: int) -> tuple[list[int], list[PromptEntry | None] | None]:
+        return self.runs[index // self.per_prompt].choice_prompt(index % self.per_prompt)
+
+    async def start(self, wait_s: float | None = None) -> bool:
+        """Every run's `start` at once (the engine fills the prompts together). The first
+        error cancels the other prefills and is raised (`close()` frees what they made);
+        True when every prefill is done."""
+        tasks = [asyncio.ensure_future(r.start(wait_s)) for r in self.runs]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return all(done)
+
+    def __aiter__(self) -> BatchRun:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenDelta]:
+        if self._queue is None:
+            self._queue = asyncio.Queue(maxsize=64 * self.n)
+            self._live = len(self.runs)
+            for i, run in enumerate(self.runs):
+                self._tasks.append(asyncio.create_task(self._pump(i * self.per_prompt, run)))
+        while self._live:
+            index, item = await self._queue.get()
+            if item is _DONE:
+                self._live -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return index, item
+        raise StopAsyncIteration
+
+    async def _pump(self, base: int, run: RequestRun) -> None:
+        assert self._queue is not None
+        try:
+            async for index, delta in run:
+                await self._queue.put((base + index, delta))
+            await self._queue.put((base, _DONE))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._queue.put((base, exc))
+
+    async def close(self) -> None:
+        """Stop every run and free all their contexts; idempotent, safe under
+        cancellation (each `RequestRun.close` shields its own cleanup)."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            for run in self.runs:
+                await run.close()

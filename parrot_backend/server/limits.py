@@ -104,16 +104,24 @@ class InflightLimiter:
         self.inflight = 0
 
     def acquire(self) -> Slot:
-        if self.inflight >= self.limit:
+        return self.acquire_many(1)[0]
+
+    def acquire_many(self, count: int) -> list[Slot]:
+        """`count` slots at once or none (429): a batch of prompts takes one per prompt, all
+        before any work starts, so it never waits on slots it holds itself nor gets part of
+        the engine past the bound. A batch larger than the bound could never be admitted:
+        the route refuses it first (400, `max_prompts`)."""
+        if self.inflight + count > self.limit:
+            batch = f"; this request needs {count}" if count > 1 else ""
             raise APIError(
                 429,
-                f"server busy: {self.inflight} requests in flight (limit {self.limit}); "
+                f"server busy: {self.inflight} requests in flight (limit {self.limit}{batch}); "
                 "retry later",
                 code="server_overloaded",
                 headers={"Retry-After": str(self.retry_after_s)},
             )
-        self.inflight += 1
-        return Slot(self)
+        self.inflight += count
+        return [Slot(self) for _ in range(count)]
 
 
 class Slot:

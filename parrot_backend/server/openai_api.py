@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import anyio
@@ -15,16 +16,17 @@ from fastapi.responses import Response
 from ..contract.engine import TokenDelta
 from ..contract.sampling import SamplingParams
 from .errors import APIError
-from .generation import RequestRun
+from .generation import BatchRun, RequestRun
 from .openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, has_logprob
 from .openai_prep import (
     build_sampling,
     chat_prompt,
     check_common,
     check_max_tokens_zero,
-    completion_prompt,
+    completion_prompts,
     logprobs_of,
     prompt_logprobs_of,
+    resolve_budgets,
     resolve_max_tokens,
 )
 from .openai_schemas import (
@@ -76,38 +78,46 @@ def _card(state: ServerState) -> ModelCard:
 async def _admit(
     state: ServerState,
     request: Request,
-    prompt_ids: list[int],
-    sampling: SamplingParams | None,
+    prompts: list[tuple[list[int], SamplingParams | None]],
     n: int,
     endpoint: str,
     started: float,
     stream: bool,
     prompt_logprobs: int | None = None,
-) -> RequestRun | None:
-    """Take an in-flight slot (429 beyond the bound) and prefill the prompt. Returns None
+) -> RequestRun | BatchRun | None:
+    """Take in-flight slots (429 beyond the bound) and prefill the prompts. Returns None
     when the client left during the prefill (it may wait in the engine's queue).
+
+    One prompt is one `RequestRun`; several (a completions batch, each with its own
+    sampling budget) are a `BatchRun` of one `RequestRun` per prompt, filled concurrently.
+    Each prompt takes a slot, all of them at once or none (429), before any engine work.
 
     A stream waits for its prefill `settings.stream_start_s` at most: a prompt queued
     longer gets its response started (headers, then SSE pings) while it waits, so clients
     and proxies with read timeouts see a live stream; an error of that prefill then comes
     as the stream's error event instead of an HTTP status."""
     try:
-        slot = state.limiter.acquire()
+        slots = state.limiter.acquire_many(len(prompts))
     except APIError:
         state.metrics.reject("overloaded")
         raise
-    run = RequestRun(
-        state.engine,
-        prompt_ids=prompt_ids,
-        sampling=sampling,
-        n=n,
-        salt=state.salt_for(get_tenant(request)),
-        metrics=state.metrics,
-        endpoint=endpoint,
-        slot=slot,
-        started=started,
-        prompt_logprobs=prompt_logprobs,
-    )
+    salt = state.salt_for(get_tenant(request))
+    runs = [
+        RequestRun(
+            state.engine,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            n=n,
+            salt=salt,
+            metrics=state.metrics,
+            endpoint=endpoint,
+            slot=slot,
+            started=started,
+            prompt_logprobs=prompt_logprobs,
+        )
+        for (prompt_ids, sampling), slot in zip(prompts, slots, strict=True)
+    ]
+    run = runs[0] if len(runs) == 1 else BatchRun(runs, n)
     try:
         wait_s = state.settings.stream_start_s if stream else None
         disconnected, _ = await until_disconnect(request, lambda: run.start(wait_s))
@@ -154,7 +164,7 @@ async def until_disconnect(
 
 
 async def _collect(
-    run: RequestRun, request: Request
+    run: RequestRun | BatchRun, request: Request
 ) -> tuple[list[str], list[list[TokenDelta]]] | None:
     """Run every choice to the end: each one's text, and its deltas that carry log
     probabilities (none unless asked); None when the client disconnected first."""
@@ -174,7 +184,7 @@ async def _collect(
 class EchoOnly:
     """A completion of 0 tokens without logprobs (`echo` with `max_tokens` 0): each choice
     is the echoed prompt, ended by "length"; nothing for the engine to do. It stands in for
-    a `RequestRun` where the routes read one."""
+    a `RequestRun` where the routes read one (`n`: all the choices of all the prompts)."""
 
     def __init__(self, n: int, prompt_tokens: int) -> None:
         self.n = n
@@ -190,7 +200,9 @@ class EchoOnly:
         return None
 
 
-def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Response:
+def _sse(
+    state: ServerState, body: AsyncIterator[bytes], run: RequestRun | BatchRun | EchoOnly
+) -> Response:
     settings = state.settings
     return ClosingEventSourceResponse(
         body,
@@ -206,29 +218,27 @@ def _sse(state: ServerState, body: AsyncIterator[bytes], run: RequestRun) -> Res
 
 @router.post("/completions", response_model=CompletionResponse, responses=_STREAM_DOC)
 async def create_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
+    """One prompt, or a batch of them (each its own run, choice `i * n + j` for prompt i's
+    choice j); every prompt is checked before any engine work."""
     started = time.perf_counter()
     n = check_common(state, body)
     check_max_tokens_zero(body)
-    prompt_ids, prompt_text = await completion_prompt(state, body)
+    prompts = await completion_prompts(state, body)
     logprobs = logprobs_of(state, body)
     prompt_logprobs = prompt_logprobs_of(state, body, logprobs)
-    max_tokens = resolve_max_tokens(state, body.max_tokens, len(prompt_ids), "max_tokens")
+    resolve_budgets(state, body, prompts)
     # max_tokens 0: the prompt alone, nothing generated (its parameters are still checked,
     # as a generation's); scored by the fill with logprobs, else nothing for the engine
-    sampling = build_sampling(state, body, max_tokens or 1, logprobs=logprobs)
-    if max_tokens == 0 and prompt_logprobs is None:
-        run = EchoOnly(n, len(prompt_ids))
+    sampling = build_sampling(state, body, prompts[0].max_tokens or 1, logprobs=logprobs)
+    if body.max_tokens == 0 and prompt_logprobs is None:
+        run = EchoOnly(n * len(prompts), sum(len(p.ids) for p in prompts))
     else:
+        plans = [
+            (p.ids, None if not p.max_tokens else replace(sampling, max_tokens=p.max_tokens))
+            for p in prompts
+        ]
         run = await _admit(
-            state,
-            request,
-            prompt_ids,
-            sampling if max_tokens else None,
-            n,
-            "completions",
-            started,
-            bool(body.stream),
-            prompt_logprobs,
+            state, request, plans, n, "completions", started, bool(body.stream), prompt_logprobs
         )
     if run is None:
         return Response(status_code=499)  # the client left during the prefill
@@ -237,13 +247,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
         "created": int(time.time()),
         "model": state.model_name,
     }
-    echo = prompt_text if body.echo else ""
+    # each choice's echo: its own prompt's text
+    echoes = [p.text if body.echo else "" for p in prompts for _ in range(n)]
     token_texts = TokenTexts(state.engine) if logprobs is not None else None
+    # echo with logprobs: the fill's entries of each choice's prompt, first on the choice
+    scored_prompt = None if prompt_logprobs is None else run.choice_prompt
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = completion_events(
-            run, meta, echo, include_usage, token_texts, prompt_ids if prompt_logprobs else None
-        )
+        events = completion_events(run, meta, echoes, include_usage, token_texts, scored_prompt)
         return _sse(state, events, run)
     try:
         collected = await _collect(run, request)
@@ -252,15 +263,15 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     if collected is None:
         return Response(status_code=499)  # nobody is listening
     texts, scored = collected
-    # echo with logprobs: the fill's entries of the prompt, first on every choice
-    prompt = None if prompt_logprobs is None else (prompt_ids, run.prompt_entries)
     choices = [
         CompletionChoice(
             index=i,
-            text=echo + t,
+            text=echoes[i] + t,
             logprobs=None
             if token_texts is None
-            else CompletionOffsets(token_texts).take(s, prompt),
+            else CompletionOffsets(token_texts).take(
+                s, None if scored_prompt is None else scored_prompt(i)
+            ),
             finish_reason=run.finish_reasons[i],
         )
         for i, (t, s) in enumerate(zip(texts, scored, strict=True))
@@ -286,7 +297,7 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(state, requested, len(plan.prompt_ids), param)
     sampling = build_sampling(state, body, max_tokens, plan.constraint, logprobs)
     run = await _admit(
-        state, request, plan.prompt_ids, sampling, n, "chat", started, bool(body.stream)
+        state, request, [(plan.prompt_ids, sampling)], n, "chat", started, bool(body.stream)
     )
     if run is None:
         return Response(status_code=499)

@@ -6,8 +6,10 @@ raise APIError(400/404) that names the parameter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -226,31 +228,91 @@ def check_token_ids(state: ServerState, ids: list[int]) -> None:
             )
 
 
-async def completion_prompt(state: ServerState, body: CompletionRequest) -> tuple[list[int], str]:
-    """Prompt token ids and the prompt text (for echo)."""
+@dataclasses.dataclass(slots=True)
+class CompletionPrompt:
+    """One prompt of a completions request: its token ids, its text (for echo; "" for
+    token ids without echo) and its generation budget (`resolve_budgets`: `max_tokens`
+    checked against its length; with `max_tokens` null, the rest of the context after
+    this prompt)."""
+
+    ids: list[int]
+    text: str
+    max_tokens: int = 0
+
+
+def max_prompts(state: ServerState) -> int:
+    """Most prompts one request may carry: `max_prompts`, and no more than the in-flight
+    slots (each prompt takes one, so a larger batch could never be admitted)."""
+    return min(state.settings.max_prompts, state.settings.max_inflight)
+
+
+@contextlib.contextmanager
+def _naming(index: int, count: int) -> Iterator[None]:
+    """A batch's errors name their prompt (`prompt[3]: ...`); a single prompt's are as
+    they always were."""
+    try:
+        yield
+    except APIError as exc:
+        if count == 1:
+            raise
+        raise APIError(
+            exc.status,
+            f"prompt[{index}]: {exc.message}",
+            type=exc.type,
+            param=f"prompt[{index}]" if exc.param == "prompt" else exc.param,
+            code=exc.code,
+            headers=exc.headers,
+        ) from None
+
+
+def _prompt_list(state: ServerState, body: CompletionRequest) -> list[str | list[int]]:
+    prompt = body.prompt
+    if not isinstance(prompt, list):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be an empty list", param="prompt")
+    if not isinstance(prompt[0], (str, list)):
+        return [prompt]  # token ids: one prompt
+    cap = max_prompts(state)
+    if len(prompt) > cap:
+        raise APIError(
+            400,
+            f"at most {cap} prompts are allowed in one request, got {len(prompt)}; "
+            "send the rest in further requests",
+            param="prompt",
+        )
+    return list(prompt)
+
+
+async def completion_prompts(state: ServerState, body: CompletionRequest) -> list[CompletionPrompt]:
+    """Each prompt of the request (one, or a batch: a list of strings or of token id
+    lists) tokenized and checked, every one before any engine work."""
     if body.best_of is not None and body.best_of != 1:
         raise unsupported("best_of", "use n instead")
     if body.suffix:
         raise unsupported("suffix", "insertion is not implemented")
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if not prompt:
-            raise APIError(400, "prompt must not be an empty list", param="prompt")
-        if isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    400,
-                    "batched prompts are not supported: send one prompt per "
-                    "request (or use n for several choices)",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-    if isinstance(prompt, str):
-        return await tokenize(state, prompt), prompt
-    ids = list(prompt)
-    check_token_ids(state, ids)
-    text = state.engine.detokenize(ids) if body.echo else ""
-    return ids, text
+    prompts = _prompt_list(state, body)
+    out = []
+    for i, prompt in enumerate(prompts):
+        with _naming(i, len(prompts)):
+            if isinstance(prompt, str):
+                out.append(CompletionPrompt(await tokenize(state, prompt), prompt))
+                continue
+            ids = list(prompt)
+            check_token_ids(state, ids)
+            out.append(CompletionPrompt(ids, state.engine.detokenize(ids) if body.echo else ""))
+    return out
+
+
+def resolve_budgets(
+    state: ServerState, body: CompletionRequest, prompts: list[CompletionPrompt]
+) -> None:
+    """Each prompt's `max_tokens` (`resolve_max_tokens`: 400 when it does not fit)."""
+    for i, prompt in enumerate(prompts):
+        with _naming(i, len(prompts)):
+            prompt.max_tokens = resolve_max_tokens(
+                state, body.max_tokens, len(prompt.ids), "max_tokens"
+            )
 
 
 def _text(message: ChatMessage) -> str:

@@ -74,7 +74,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt = Field(
-        description="A string, a list with one string, token ids, or a list with one id list."
+        description="A string, token ids, or a batch: a list of strings or of token id lists "
+        "(`max_prompts` at most; prompt i's choice j has index i * n + j)."
     )
     max_tokens: int | None = Field(
         default=16, ge=0, description="0 only with echo: the prompt alone (scored with logprobs)."

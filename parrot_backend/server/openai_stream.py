@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 
+from ..contract.engine import PromptEntry
 from ..contract.errors import EngineError
 from ..engine.grammar_tools import Event, ToolCallParser, parse_tool_calls
 from .errors import APIError, from_engine_error
-from .generation import RequestRun
+from .generation import BatchRun, RequestRun
 from .openai_logprobs import CompletionOffsets, TokenTexts, chat_entries, has_logprob
 from .openai_schemas import (
     AssistantMessage,
@@ -32,10 +33,11 @@ from .sse import DONE_FRAME, data_frame
 log = logging.getLogger(__name__)
 
 
-def usage_of(run: RequestRun) -> Usage:
-    """The request's usage, for the response and the streamed usage chunk alike: completion
-    tokens are every delta that carried a token id, the EOS that ended a choice included
-    (what native calls count too, `CallRunner.tokens`)."""
+def usage_of(run: RequestRun | BatchRun) -> Usage:
+    """The request's usage (a batch's: summed over its prompts and all their choices), for
+    the response and the streamed usage chunk alike: completion tokens are every delta that
+    carried a token id, the EOS that ended a choice included (what native calls count too,
+    `CallRunner.tokens`)."""
     return Usage(
         prompt_tokens=run.prompt_tokens,
         completion_tokens=run.total_completion_tokens,
@@ -57,18 +59,19 @@ def error_frame(exc: Exception) -> bytes:
 
 
 async def completion_events(
-    run: RequestRun,
+    run: RequestRun | BatchRun,
     meta: dict,
-    echo: str,
+    echoes: Sequence[str],
     include_usage: bool,
     token_texts: TokenTexts | None = None,
-    prompt_ids: list[int] | None = None,
+    scored_prompt: Callable[[int], tuple[list[int], list[PromptEntry | None] | None]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """With `token_texts` (logprobs asked), each chunk carries the logprobs of its
+    """`echoes[i]`: the text choice i's first chunk starts with (its prompt's, with echo).
+    With `token_texts` (logprobs asked), each chunk carries the logprobs of its
     choice's tokens since that choice's previous chunk (`openai_logprobs`); with
-    `prompt_ids` (echo with logprobs), a choice's first chunk, which carries the echoed
-    prompt, has the prompt's entries first (the fill's, `RequestRun.prompt_entries`: done
-    once a delta came)."""
+    `scored_prompt` (echo with logprobs: choice i's prompt ids and the fill's entries,
+    `RequestRun.choice_prompt`, known once a delta of it came), a choice's first chunk,
+    which carries the echoed prompt, has its prompt's entries first."""
     echoed: set[int] = set()
     offsets = [CompletionOffsets(token_texts) for _ in range(run.n)] if token_texts else None
     pending: list[list] = [[] for _ in range(run.n)]
@@ -78,9 +81,9 @@ async def completion_events(
         if offsets is None:
             return None
         prompt = None
-        if prompt_ids is not None and index not in scored:
+        if scored_prompt is not None and index not in scored:
             scored.add(index)
-            prompt = (prompt_ids, run.prompt_entries)
+            prompt = scored_prompt(index)
         out = offsets[index].take(pending[index], prompt)
         pending[index] = []
         return out
@@ -88,9 +91,9 @@ async def completion_events(
     try:
         async for index, delta in run:
             text = delta.text
-            if echo and index not in echoed:
+            if echoes[index] and index not in echoed:
                 echoed.add(index)
-                text = echo + text
+                text = echoes[index] + text
             if offsets is not None and has_logprob(delta):
                 pending[index].append(delta)
             if text:

@@ -52,6 +52,9 @@ class ServerSettings:
     max_pending_calls: int = 10_000  # native calls waiting for an engine; beyond it 429
     retry_after_s: int = 1
     max_n: int = 8  # largest `n` (choices per request) accepted
+    # Most prompts in one /v1/completions request (a batch: each prompt takes an in-flight
+    # slot of `max_inflight`, so the cap is the smaller of the two); beyond it 400.
+    max_prompts: int = 64
     max_stop_sequences: int = 16
     max_chat_template_chars: int = 2_000_000  # rendered prompt size cap
     allow_request_chat_template: bool = False  # let requests carry their own template
@@ -90,6 +93,7 @@ class ServerSettings:
             "max_inflight",
             "max_pending_calls",
             "max_n",
+            "max_prompts",
             "max_stop_sequences",
         ):
             if getattr(self, name) < 1:

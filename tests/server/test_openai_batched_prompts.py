@@ -10,6 +10,7 @@ disconnects (every run closed, no context left)."""
 from __future__ import annotations
 
 import json
+import socket
 from operator import itemgetter
 
 import httpx
@@ -441,9 +442,18 @@ def test_disconnect_of_a_batch_closes_every_run(tiny_model_dir, stream):
                         seen.update(c["index"] for c in json.loads(line[6:])["choices"])
                     if len(seen) >= 4:  # choices of several prompts under way
                         break
-        else:
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{live.url}/v1/completions", json=body, timeout=0.5)
+        else:  # send it, wait until its choices generate, hang up
+            before = engine.stats_now().tokens_generated
+            raw = json.dumps(body).encode()
+            with socket.create_connection(("127.0.0.1", live.port)) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw
+                )
+                assert wait_until(
+                    lambda: engine.stats_now().tokens_generated > before + 12, timeout=30
+                )
         assert wait_until(lambda: _quiet(engine), timeout=10)
         generated = engine.stats_now().tokens_generated
         assert generated < 6 * 500  # stopped far short of what the batch asked for

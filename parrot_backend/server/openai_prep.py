@@ -73,8 +73,6 @@ def check_common(state: ServerState, body: _SamplingFields) -> int:
     n = body.n or 1
     if n > state.settings.max_n:
         raise APIError(400, f"n must be <= {state.settings.max_n}, got {n}", param="n")
-    if body.logit_bias:
-        raise unsupported("logit_bias", "send null or omit it")
     if body.stream_options is not None and not body.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
@@ -195,6 +193,7 @@ def build_sampling(
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
         logprobs=logprobs,
+        logit_bias=logit_bias_pairs(body.logit_bias),
     )
     try:
         params.validate(state.vocab_size)
@@ -205,6 +204,25 @@ def build_sampling(
             400, str(exc), param=field_name if hasattr(params, field_name) else None
         ) from None
     return params
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` ({"token id": bias}) as `SamplingParams.logit_bias` pairs (the
+    ranges are checked by `SamplingParams.validate`)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key.strip()) if key.strip().lstrip("-").isdigit() else None
+        except ValueError:
+            tid = None
+        if tid is None:
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids (integers as strings), got {key[:40]!r}",
+                param="logit_bias",
+            )
+        pairs.append((tid, float(value)))
+    return tuple(pairs)
 
 
 async def tokenize(state: ServerState, text: str, param: str = "prompt") -> list[int]:

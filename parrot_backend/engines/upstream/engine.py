@@ -77,6 +77,12 @@ from .tokenizer import PROBE, HttpTokenizer, LocalTokenizer, check_agrees
 log = logging.getLogger(__name__)
 
 RETRIES_429 = 5
+# A request whose connection failed before any response arrived is sent again, this many
+# times: a pooled keep-alive connection the upstream closed meanwhile fails so ("Server
+# disconnected without sending a response": seen 2 times in 12 back-to-back generations on
+# llama-server). Nothing of the answer was read, so nothing is repeated to the caller.
+RETRIES_UNANSWERED = 2
+_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 
 
 def error_for(status: int, body: Any, url: str) -> EngineError:
@@ -505,15 +511,21 @@ class UpstreamEngine:
             log.info("upstream %s: warm-up failed: %r", self.url, exc)
 
     async def _post_retrying(self, url: str, body: dict[str, Any]) -> httpx.Response:
-        for attempt in range(RETRIES_429 + 1):
+        attempt = unanswered = 0
+        while True:
             try:
                 response = await self._client.post(url, json=body)
+            except _UNANSWERED as exc:
+                if unanswered == RETRIES_UNANSWERED:
+                    raise EngineUnavailable(f"upstream {url}: {exc!r}") from exc
+                unanswered += 1
+                continue
             except httpx.HTTPError as exc:
                 raise EngineUnavailable(f"upstream {url}: {exc!r}") from exc
             if response.status_code != 429 or attempt == RETRIES_429:
                 return response
             await asyncio.sleep(_retry_after(response, attempt))
-        raise AssertionError("unreachable")
+            attempt += 1
 
     async def _stream(
         self, ctx: Context, path: str, body: dict[str, Any], sampling: SamplingParams
@@ -555,18 +567,29 @@ class UpstreamEngine:
 
     @contextlib.asynccontextmanager
     async def _open(self, url: str, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
-        """The streamed response of a generation request (a 429 retried a few times)."""
-        for attempt in range(RETRIES_429 + 1):
-            async with self._client.stream("POST", url, json=body) as response:
-                if response.status_code == 429 and attempt < RETRIES_429:
-                    wait = _retry_after(response, attempt)
-                else:
-                    if response.status_code != 200:
-                        await response.aread()
-                        raise error_for(response.status_code, _json(response), url)
-                    yield response
-                    return
+        """The streamed response of a generation request (a 429 retried a few times, and a
+        request that got no answer at all: `RETRIES_UNANSWERED`)."""
+        attempt = unanswered = 0
+        while True:
+            answered = False
+            try:
+                async with self._client.stream("POST", url, json=body) as response:
+                    answered = True
+                    if response.status_code == 429 and attempt < RETRIES_429:
+                        wait = _retry_after(response, attempt)
+                    else:
+                        if response.status_code != 200:
+                            await response.aread()
+                            raise error_for(response.status_code, _json(response), url)
+                        yield response
+                        return
+            except _UNANSWERED:
+                if answered or unanswered == RETRIES_UNANSWERED:
+                    raise  # (once answered, the reader's errors are the reader's)
+                unanswered += 1
+                continue
             await asyncio.sleep(wait)
+            attempt += 1
 
     def _count(self, chunk: dialects.Chunk) -> None:
         """Prompt tokens and prefix-cache hits, where the upstream reports them."""

@@ -28,9 +28,10 @@ class TokenDelta:
     `top_logprobs` the `logprobs` most likely tokens at its position as (token id,
     logprob), most likely first: the model's log-softmax of the raw logits there (before
     penalties, temperature, top-k/top-p and any grammar mask), for drafted tokens too
-    (their logits come from the step that checked them). The token that ends a
-    generation without being part of its text (EOS, a stop token id) has none, as in
-    OpenAI's answers. Otherwise both are None.
+    (their logits come from the step that checked them), and for the token that ends a
+    generation without being part of its text (EOS, a stop token id: the last delta,
+    `finish_reason` "stop"): legacy completions list it, chat leaves it out, as OpenAI's
+    answers do. Otherwise both are None.
     """
 
     token_id: int | None

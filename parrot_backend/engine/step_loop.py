@@ -513,8 +513,7 @@ class StepLoop:
         logprob, top = entries.pop(0) if entries else (None, None)
         if token in req.eos_ids or token in p.stop_token_ids:
             text = req.detok.flush()
-            finish = "stop"
-            logprob = top = None  # not part of the text: no entry (as OpenAI's)
+            finish = "stop"  # (not part of the text; its logprob still goes with it)
         else:
             ctx.tokens.append(token)
             text = req.detok.add(token)

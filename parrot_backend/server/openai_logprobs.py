@@ -5,11 +5,15 @@ The numbers are the engine's: the model's log-softmax of the raw logits at each 
 token's position, before penalties, temperature, top-k/top-p and any grammar (JSON mode,
 tools) mask (`SamplingParams.logprobs`). A token's text is the tokenizer's decoding of that
 token alone, so a token that ends inside a UTF-8 character shows U+FFFD and its `bytes`
-are those of that text (as vLLM's); special tokens decode to "". The token that ends a
-generation without being part of its text (EOS, a stop token) has no entry, as in
-OpenAI's answers. Entries are per choice, and a stream's chunk carries the entries of the
-tokens generated since that choice's previous chunk (a token whose text is held back, a
-partial character or a possible stop string, goes with the next chunk of its choice).
+are those of that text (as vLLM's); a special token shows its spelling ("<|im_end|>").
+The token that ends a generation without being part of its text (EOS, a stop token id)
+has an entry in legacy completions (scoring harnesses read `token_logprobs[ctx:-1]` of a
+1-token generation: the last entry must be the generated token, whatever it is) and
+none in chat, as OpenAI's answers. `text_offset` indexes the choice's text: a generated
+special token, which the text leaves out, takes no room there. Entries are per choice,
+and a stream's chunk carries the entries of the tokens generated since that choice's
+previous chunk (a token whose text is held back, a partial character or a possible stop
+string, goes with the next chunk of its choice).
 
 Legacy completions with `echo` and `logprobs` list the prompt's tokens first (the entries
 of the fill that computed the prompt, `ScoredFill`, the same on every choice, on a choice's
@@ -25,18 +29,55 @@ from ..contract.engine import EngineClient, PromptEntry, TokenDelta
 from .openai_schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
-class TokenTexts:
-    """Each token id's text, decoded once per request."""
+def special_spellings(engine: EngineClient) -> dict[int, str]:
+    """The engine's special tokens' spellings by id (none known: empty)."""
+    return {i: s for s, i in (getattr(engine, "special_token_ids", None) or {}).items()}
 
-    def __init__(self, engine: EngineClient) -> None:
+
+def spelled_text(engine: EngineClient, ids: list[int]) -> str:
+    """The text of token ids with special tokens spelled out (`detokenize` drops them): an
+    echoed token-id prompt, whose entries are then offsets into it."""
+    special = special_spellings(engine)
+    parts: list[str] = []
+    run: list[int] = []
+    for tid in ids:
+        if tid in special:
+            if run:
+                parts.append(engine.detokenize(run))
+                run = []
+            parts.append(special[tid])
+        else:
+            run.append(tid)
+    if run:
+        parts.append(engine.detokenize(run))
+    return "".join(parts)
+
+
+class TokenTexts:
+    """Each token id's text, decoded once per request (special tokens spelled out), and
+    which deltas end a generation without being part of its text (`ended_by`)."""
+
+    def __init__(self, engine: EngineClient, stop_token_ids: list[int] | tuple = ()) -> None:
         self._engine = engine
         self._texts: dict[int, str] = {}
+        self._special = special_spellings(engine)
+        self._ends = frozenset(getattr(engine, "eos_ids", None) or ()) | frozenset(stop_token_ids)
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._engine.detokenize([token_id])
+            spelled = self._special.get(token_id)
+            text = spelled if spelled is not None else self._engine.detokenize([token_id])
+            self._texts[token_id] = text
         return text
+
+    def in_text(self, token_id: int) -> bool:
+        """Whether a generated token's text is in the choice's text (special ones are not)."""
+        return token_id not in self._special
+
+    def ended_by(self, delta: TokenDelta) -> bool:
+        """The EOS or stop token id that ended a generation (not part of its text)."""
+        return delta.finish_reason == "stop" and delta.token_id in self._ends
 
 
 def has_logprob(delta: TokenDelta) -> bool:
@@ -47,7 +88,7 @@ def chat_entries(texts: TokenTexts, deltas: list[TokenDelta]) -> list[TokenLogpr
     """Chat's `logprobs.content` entries of these deltas' tokens."""
     out = []
     for d in deltas:
-        if not has_logprob(d):
+        if not has_logprob(d) or texts.ended_by(d):  # (chat lists no EOS)
             continue
         token = texts(d.token_id)
         top = [
@@ -116,5 +157,6 @@ class CompletionOffsets:
             out.token_logprobs.append(d.logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
-            self.offset += len(token)
+            if self._texts.in_text(d.token_id):
+                self.offset += len(token)
         return out

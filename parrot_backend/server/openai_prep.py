@@ -21,6 +21,7 @@ from ..engine.grammar import check
 from ..engine.grammar_tools import CLOSE, OPEN, Function, tool_call_grammar
 from .chat_template import ChatTemplateError, render_chat, takes_tools
 from .errors import APIError
+from .openai_logprobs import spelled_text
 from .openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -318,7 +319,7 @@ async def completion_prompts(state: ServerState, body: CompletionRequest) -> lis
                 continue
             ids = list(prompt)
             check_token_ids(state, ids)
-            out.append(CompletionPrompt(ids, state.engine.detokenize(ids) if body.echo else ""))
+            out.append(CompletionPrompt(ids, spelled_text(state.engine, ids) if body.echo else ""))
     return out
 
 

@@ -481,3 +481,76 @@ async def test_echo_with_logprobs_computes_the_prompt_once(client, engine, n, ma
             c.logprobs.token_logprobs[: len(ids)]
             == r.choices[0].logprobs.token_logprobs[: len(ids)]
         )
+
+
+async def test_a_generated_eos_has_its_entry_in_completions_not_in_chat(client, engine):
+    """lm-evaluation-harness scores `token_logprobs[ctx:-1]` of a 1-token generation with
+    echo: the last entry must be the generated token, also when it is the EOS (without
+    its entry, the continuation's last token was dropped from the score). Chat lists no
+    EOS, as OpenAI's chat does not."""
+    (eos,) = sorted(engine.eos_ids)[:1]
+    ids = engine.tokenize(PROMPT)
+    r = await client.completions.create(
+        model=engine.model_name,
+        prompt=ids,
+        echo=True,
+        logprobs=1,
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(eos): 100},  # the EOS is the greedy pick
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and r.usage.completion_tokens == 1
+    lp = c.logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1
+    assert lp.tokens[-1] == {i: s for s, i in engine.special_token_ids.items()}[eos]
+    assert lp.token_logprobs[-1] is not None and lp.token_logprobs[-1] <= 0
+    # its logprob is the model's: what a plain 1-token request reports for that token
+    plain = await client.completions.create(
+        model=engine.model_name, prompt=ids, logprobs=5, max_tokens=1, temperature=0
+    )
+    alternatives = plain.choices[0].logprobs.top_logprobs[0]
+    if lp.tokens[-1] in alternatives:
+        assert lp.token_logprobs[-1] == pytest.approx(alternatives[lp.tokens[-1]], abs=1e-4)
+    assert c.text == engine.detokenize(ids)  # the EOS is not in the text
+    assert lp.text_offset[-1] == len(c.text)
+    chat = await client.chat.completions.create(
+        model=engine.model_name,
+        messages=MESSAGES,
+        logprobs=True,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(eos): 100},
+    )
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 1
+    assert chat.choices[0].logprobs.content == []
+
+
+async def test_echoed_special_tokens_are_spelled_and_offsets_index_the_text(client, engine):
+    """A prompt with special tokens, as ids or as text: the echoed text spells them, each
+    prompt token's entry is its text there, and every `text_offset` indexes the text."""
+    special = {i: s for s, i in engine.special_token_ids.items()}
+    (eos,) = sorted(engine.eos_ids)[:1]
+    start = next(i for i in special if i not in engine.eos_ids)
+    middle = engine.tokenize("user\nName a parrot.")
+    ids = [start, *middle, eos]
+    text = special[start] + engine.detokenize(middle) + special[eos]
+    assert engine.tokenize(text) == ids
+    for prompt in (ids, text):
+        r = await client.completions.create(
+            model=engine.model_name,
+            prompt=prompt,
+            echo=True,
+            logprobs=0,
+            max_tokens=3,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        c = r.choices[0]
+        assert c.text.startswith(text)
+        lp = c.logprobs
+        assert lp.tokens[: len(ids)] == [special.get(t) or engine.detokenize([t]) for t in ids]
+        for k, (token, offset) in enumerate(zip(lp.tokens, lp.text_offset, strict=True)):
+            if "\ufffd" in token or (k >= len(ids) and token in special.values()):
+                continue  # a partial character; a generated special token (not in the text)
+            assert c.text[offset : offset + len(token)] == token, (k, token, offset, c.text)

@@ -19,7 +19,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from parrot_backend.contract.errors import InvalidRequest
-from parrot_backend.contract.sampling import MAX_PENALTY, Constraint, SamplingParams
+from parrot_backend.contract.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    Constraint,
+    SamplingParams,
+)
 
 _PLAIN = SamplingParams()  # the engine's defaults are the program's defaults
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -57,6 +63,12 @@ class GenerationConfig(BaseModel):
         le=MAX_PENALTY,
         description="lowers a token's logit by this much per time it was generated",
     )
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = Field(
+        default_factory=dict,
+        max_length=MAX_LOGIT_BIAS_TOKENS,
+        description='OpenAI\'s logit_bias: {"token id": bias in [-100, 100]}, added to those '
+        "tokens' logits before the pick (-100 bans a token, 100 all but forces it)",
+    )
     ignore_eos: bool = Field(
         _PLAIN.ignore_eos,
         description="generate past the end-of-sequence token, to max_tokens or a stop "
@@ -71,6 +83,27 @@ class GenerationConfig(BaseModel):
     choice: list[NonEmpty] | None = Field(
         None, min_length=1, description="the value is one of these strings"
     )
+
+    @model_validator(mode="after")
+    def _check_logit_bias(self) -> GenerationConfig:
+        self.bias_pairs()  # keys that are not token ids, or one id twice, are errors
+        return self
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as `SamplingParams.logit_bias` pairs (ValueError for a key that is
+        not a token id, or an id given twice)."""
+        pairs: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            text = key.strip()
+            if not text.isascii() or not text.isdigit():
+                raise ValueError(
+                    f"logit_bias keys are token ids (non-negative integers), got {key[:40]!r}"
+                )
+            tid = int(text)
+            if tid in pairs:
+                raise ValueError(f"logit_bias names token id {tid} twice")
+            pairs[tid] = float(bias)
+        return tuple(pairs.items())
 
     @model_validator(mode="after")
     def _check_type(self) -> GenerationConfig:
@@ -114,6 +147,8 @@ class GenerationConfig(BaseModel):
                 del data[name]
         if data.get("ignore_eos") is False:
             del data["ignore_eos"]
+        if data.get("logit_bias") == {}:
+            del data["logit_bias"]
         return data
 
     @property
@@ -152,6 +187,12 @@ class GenerationConfig(BaseModel):
                 out.append(
                     f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
                 )
+            bad = [t for t, _ in self.bias_pairs() if t >= vocab_size]
+            if bad:
+                out.append(
+                    f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                    f"(0..{vocab_size - 1})"
+                )
         return out
 
     def to_sampling(self) -> SamplingParams:
@@ -168,4 +209,5 @@ class GenerationConfig(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             ignore_eos=self.ignore_eos,
+            logit_bias=self.bias_pairs(),
         )

@@ -20,6 +20,11 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _RESERVED = frozenset({"stream", "stream_options", "messages", "prompt"})
 
 
+def wire_bias(bias: dict[Any, float] | None) -> dict[str, float] | None:
+    """A `logit_bias` as the server takes it: token ids as strings (None or empty: unset)."""
+    return {str(k): v for k, v in bias.items()} if bias else None
+
+
 class ParrotParams(BaseModel):
     """Connection and sampling settings of a parrot-backend model (a mixin)."""
 
@@ -47,6 +52,9 @@ class ParrotParams(BaseModel):
     """Lowers a token's logit by this much per time it was already generated (-2 to 2)."""
     presence_penalty: float | None = None
     """Lowers the logit of every token already generated, once (-2 to 2)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to these token ids' logits before each pick, -100 to 100 (OpenAI's
+    `logit_bias`: -100 bans a token, 100 all but forces it)."""
     stop: list[str] | None = None
     """Stop sequences (not included in the output); a call's `stop` replaces them."""
     timeout: float | None = 600.0
@@ -100,6 +108,7 @@ class ParrotParams(BaseModel):
             "seed": self.seed,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
+            "logit_bias": wire_bias(self.logit_bias),
         }
         stops = stop if stop is not None else self.stop
         if stops:
@@ -120,6 +129,7 @@ class ParrotParams(BaseModel):
             "seed": self.seed,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
+            "logit_bias": self.logit_bias,
             "stop": self.stop,
         }
 

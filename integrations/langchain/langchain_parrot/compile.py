@@ -39,6 +39,7 @@ from langchain_core.runnables import Runnable, RunnableBinding, RunnableConfig
 from langchain_core.runnables.base import coerce_to_runnable
 from langchain_core.runnables.config import patch_config
 
+from ._base import wire_bias
 from ._http import _transport_error, error_from_response
 from ._lower import (
     OWNER,
@@ -67,6 +68,7 @@ _CONFIG_KEYS = frozenset(
         "top_k",
         "frequency_penalty",
         "presence_penalty",
+        "logit_bias",
     }
 )
 
@@ -616,6 +618,9 @@ class CompiledChain(Runnable[Any, Any]):
             value = kw.get(name, getattr(model, name, None))
             if value:
                 config[name] = float(value)
+        bias = wire_bias(kw.get("logit_bias", getattr(model, "logit_bias", None)))
+        if bias:
+            config["logit_bias"] = {k: float(v) for k, v in bias.items()}
         return config
 
 

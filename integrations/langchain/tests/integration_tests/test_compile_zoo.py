@@ -9,6 +9,7 @@ import json
 import time
 from operator import itemgetter
 
+import httpx
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage
@@ -206,6 +207,16 @@ def _shapes(chat, llm):
         {"t": "Alice is 30."},
         0,
     )
+    # 20. logit_bias, bound per call and set on a model (lowered into the outputs' configs)
+    nudged = llm.model_copy(update={"logit_bias": {28: 100, 13: 3.0}})  # 28 is forced
+    shapes["logit_bias"] = (
+        loop
+        | llm.bind(logit_bias={11: 4.0, 28: -100})
+        | PromptTemplate.from_template("Again: {x}\n")
+        | nudged,
+        {"x": "A parrot"},
+        1,
+    )
     return shapes
 
 
@@ -231,6 +242,7 @@ SHAPES = [
     "retry",
     "configurable",
     "structured_output",
+    "logit_bias",
 ]
 
 
@@ -283,6 +295,21 @@ def test_async_invoke_and_streams_equal_plain(models):
 
     pieces = asyncio.run(collect())
     assert len(pieces) > 1 and "".join(pieces) == plain.content
+
+
+def test_logit_bias_reaches_the_model_compiled_and_plain(models, parrot_server):
+    """The shape's last model forces token 28: both paths give it N times, and the plan
+    runs both models' steps on the server (the bias lowered into their configs)."""
+    chat, llm = models
+    chain, given, _ = _shapes(chat, llm)["logit_bias"]
+    auth = {"Authorization": f"Bearer {parrot_server.api_key}"} if parrot_server.api_key else {}
+    forced = httpx.post(
+        f"{parrot_server.url}/detokenize", json={"tokens": [28] * N}, headers=auth, timeout=30
+    ).json()["prompt"]
+    compiled = compile_chain(chain)
+    assert chain.invoke(given) == forced
+    assert compiled.invoke(given) == forced
+    assert [s["where"] for s in compiled.plan()["steps"]].count("server") == 2
 
 
 class Recorder(BaseCallbackHandler):

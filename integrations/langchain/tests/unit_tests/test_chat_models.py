@@ -58,6 +58,7 @@ def test_invoke_sends_settings_and_reads_text_usage_and_metadata() -> None:
         api_key="sk-1",
         frequency_penalty=0.4,
         presence_penalty=-0.2,
+        logit_bias={42: -100, 7: 2.5},
     )
     result = model.invoke("Hello")
     body = server.bodies[0]
@@ -69,6 +70,7 @@ def test_invoke_sends_settings_and_reads_text_usage_and_metadata() -> None:
         "seed": 7,
         "frequency_penalty": 0.4,
         "presence_penalty": -0.2,
+        "logit_bias": {"42": -100, "7": 2.5},
         "stop": ["\n"],
         "messages": [{"role": "user", "content": "Hello"}],
     }
@@ -218,6 +220,7 @@ def test_identifying_params_hold_what_changes_the_output() -> None:
         "seed": 1,
         "frequency_penalty": 0.5,
         "presence_penalty": None,
+        "logit_bias": None,
         "stop": ["x"],
         "logprobs": True,
         "top_logprobs": None,

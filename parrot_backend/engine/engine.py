@@ -89,6 +89,7 @@ class Engine(StepLoop):
         self.special_tokens = {
             "bos_token": tokenizer.bos_token or "",
             "eos_token": tokenizer.eos_token or "",
+            "pad_token": tokenizer.pad_token or "",  # (for /tokenizer_info)
         }
         self.eos_ids = frozenset(eos_ids(model_config, tokenizer))
         self.special_token_ids = special_token_ids(tokenizer)

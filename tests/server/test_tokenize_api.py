@@ -106,6 +106,7 @@ async def test_tokenizer_info_names_the_special_tokens(client, engine):
     info = r.json()
     assert info["model"] == engine.model_name
     assert info["eos_token"] == engine.special_tokens["eos_token"] and info["eos_token"]
+    assert info["pad_token"] == (engine.tokenizer.pad_token or None)
     assert info["model_max_length"] == engine.max_model_len
     assert info["vocab_size"] == engine.vocab_size
     assert info["chat_template"] == engine.chat_template

@@ -119,9 +119,7 @@ async def bench(url: str, args: argparse.Namespace) -> None:
     same = [await client.ids(t) for t in texts(args.batch * 2, 500)]
     results = {m: (await run_mode(client, m, same, args.batch))[1] for m in modes}
     worst = max(
-        abs(a - b)
-        for m in modes[1:]
-        for a, b in zip(results["single"], results[m], strict=True)
+        abs(a - b) for m in modes[1:] for a, b in zip(results["single"], results[m], strict=True)
     )
     med = {m: statistics.median(v) for m, v in rates.items()}
     print("median prompts/s: " + ", ".join(f"{m} {v:.2f}" for m, v in med.items()))

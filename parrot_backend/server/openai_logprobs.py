@@ -10,7 +10,10 @@ The token that ends a generation without being part of its text (EOS, a stop tok
 has an entry in legacy completions (scoring harnesses read `token_logprobs[ctx:-1]` of a
 1-token generation: the last entry must be the generated token, whatever it is) and
 none in chat, as OpenAI's answers. `text_offset` indexes the choice's text: a generated
-special token, which the text leaves out, takes no room there. Entries are per choice,
+special token, which the text leaves out, takes no room there, and a token that splits a
+character (its text alone is U+FFFD) is at the offset of the text before it that is
+whole, so the tokens after a split character (an emoji, CJK) still index the text.
+Entries are per choice,
 and a stream's chunk carries the entries of the tokens generated since that choice's
 previous chunk (a token whose text is held back, a partial character or a possible stop
 string, goes with the next chunk of its choice).
@@ -71,6 +74,14 @@ class TokenTexts:
             self._texts[token_id] = text
         return text
 
+    @property
+    def special(self) -> dict[int, str]:
+        return self._special
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of these (non-special) tokens decoded together."""
+        return self._engine.detokenize(ids)
+
     def in_text(self, token_id: int) -> bool:
         """Whether a generated token's text is in the choice's text (special ones are not)."""
         return token_id not in self._special
@@ -109,13 +120,48 @@ def chat_logprobs(texts: TokenTexts, deltas: list[TokenDelta]) -> ChoiceLogprobs
 
 class CompletionOffsets:
     """Legacy completions' logprobs of one choice, built chunk by chunk: `text_offset`
-    counts on from the tokens before (each token's offset is the length of the token texts
-    before it, from `start`). `take`'s `prompt` (echo with logprobs: the prompt's ids and
-    the fill's entries) puts the prompt's tokens first."""
+    counts on from the tokens before (each token's offset is the length of the text before
+    it, from `start`). `take`'s `prompt` (echo with logprobs: the prompt's ids and the
+    fill's entries) puts the prompt's tokens first.
+
+    A token's own text is U+FFFD where it holds part of a character (a byte-level BPE
+    splits most emoji and many CJK characters over 2-4 tokens), one character or none in
+    the text, though its `tokens` entry is one or two long: summing those lengths would
+    push every later offset past the text. Such tokens are held (`_pending`) until their
+    decoding together ends in a whole character; each is at the offset of the whole text
+    before it, and the run then advances the offset by its decoded length."""
+
+    MAX_PENDING = 16  # tokens held at most (invalid UTF-8 that never completes)
 
     def __init__(self, texts: TokenTexts, start: int = 0) -> None:
         self._texts = texts
-        self.offset = start
+        self.offset = start  # where the held tokens' text starts (all of it, when none)
+        self._pending: list[int] = []
+        self._pending_text = ""
+
+    def _flush(self) -> None:
+        self.offset += len(self._pending_text)
+        self._pending, self._pending_text = [], ""
+
+    def _place(self, tid: int, token: str, in_text: bool = True) -> int:
+        """The offset of this token in the text, and the offset moved past it."""
+        if not in_text:  # a generated special token: no room in the text
+            return self.offset + len(self._pending_text.rstrip("\ufffd"))
+        if tid in self._texts.special:  # a prompt's special token, spelled in the text
+            self._flush()
+            at = self.offset
+            self.offset += len(token)
+            return at
+        if not self._pending and "\ufffd" not in token:
+            at = self.offset
+            self.offset += len(token)
+            return at
+        at = self.offset + len(self._pending_text.rstrip("\ufffd"))
+        self._pending.append(tid)
+        self._pending_text = self._texts.decode(self._pending)
+        if not self._pending_text.endswith("\ufffd") or len(self._pending) >= self.MAX_PENDING:
+            self._flush()
+        return at
 
     def _prompt(
         self, out: CompletionLogprobs, ids: list[int], entries: list[PromptEntry | None]
@@ -123,8 +169,7 @@ class CompletionOffsets:
         for tid, entry in zip(ids, entries, strict=True):
             token = self._texts(tid)
             out.tokens.append(token)
-            out.text_offset.append(self.offset)
-            self.offset += len(token)
+            out.text_offset.append(self._place(tid, token))
             if entry is None:  # the first token: nothing predicts it
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -156,7 +201,5 @@ class CompletionOffsets:
             out.tokens.append(token)
             out.token_logprobs.append(d.logprob)
             out.top_logprobs.append(top)
-            out.text_offset.append(self.offset)
-            if self._texts.in_text(d.token_id):
-                self.offset += len(token)
+            out.text_offset.append(self._place(d.token_id, token, self._texts.in_text(d.token_id)))
         return out

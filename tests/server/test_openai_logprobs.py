@@ -554,3 +554,55 @@ async def test_echoed_special_tokens_are_spelled_and_offsets_index_the_text(clie
             if "\ufffd" in token or (k >= len(ids) and token in special.values()):
                 continue  # a partial character; a generated special token (not in the text)
             assert c.text[offset : offset + len(token)] == token, (k, token, offset, c.text)
+
+
+SPLIT = "Parrots 🦜🎉 say 日本語, then 🦜 ok"
+
+
+def _check_offsets(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Offsets never decrease, stay within the text, and every token whose text is whole
+    (no U+FFFD of a split character) is at its place in the text."""
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+    for k, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
+        if "\ufffd" not in token:
+            assert text[offset : offset + len(token)] == token, (k, token, offset, text)
+
+
+async def test_echoed_offsets_index_the_text_after_split_characters(client, engine):
+    """Emoji and CJK split over several tokens, each spelled U+FFFD alone: the tokens
+    after them are still at their place in the echoed text (their offsets used to add one
+    per U+FFFD, running past the text), streamed and not."""
+    ids = engine.tokenize(SPLIT)
+    assert sum("\ufffd" in engine.detokenize([t]) for t in ids) >= 4  # really split
+    for prompt in (SPLIT, ids):
+        kw = dict(model=engine.model_name, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+        c = (await client.completions.create(**kw)).choices[0]
+        assert c.text == SPLIT
+        _check_offsets(c.text, c.logprobs.tokens, c.logprobs.text_offset)
+        assert c.logprobs.text_offset[-1] == SPLIT.index(" ok")
+        text, tokens, offsets = "", [], []
+        async for chunk in await client.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                text += ch.text
+                if ch.logprobs:
+                    tokens += ch.logprobs.tokens
+                    offsets += ch.logprobs.text_offset
+        assert (text, tokens, offsets) == (c.text, c.logprobs.tokens, c.logprobs.text_offset)
+
+
+def test_generated_offsets_index_the_text_after_split_characters(engine):
+    """The same for generated tokens, given chunk by chunk (a stream's deltas): a split
+    character held over a chunk's end still lands where the text has it."""
+    from parrot_backend.contract.engine import TokenDelta
+    from parrot_backend.server.openai_logprobs import CompletionOffsets, TokenTexts
+
+    ids = engine.tokenize(SPLIT)
+    offsets = CompletionOffsets(TokenTexts(engine))
+    tokens, got = [], []
+    for start in range(0, len(ids), 3):
+        deltas = [TokenDelta(t, "", logprob=-1.0) for t in ids[start : start + 3]]
+        out = offsets.take(deltas)
+        tokens += out.tokens
+        got += out.text_offset
+    _check_offsets(SPLIT, tokens, got)
+    assert got[-1] == SPLIT.index(" ok")

@@ -10,18 +10,29 @@ The ids are the ones the server's routes compute: `/tokenize` of a prompt gives 
 `/v1/completions` counts as `prompt_tokens` for it, and of `messages` what
 `/v1/chat/completions` renders with the model's chat template. The server adds no special
 tokens to a prompt (no BOS: its engine never does), so `add_special_tokens` changes
-nothing; it is accepted for vLLM's clients. Behind the API key as every route but
+nothing; it is accepted for vLLM's clients. Special tokens are spelled out (`token_strs`,
+`/detokenize`), as in the completions route's logprobs and echo, so `/detokenize` of
+`/tokenize`'s ids gives the text back. Behind the API key as every route but
 `/healthz`.
 """
 
 from __future__ import annotations
 
+import anyio
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
 from .errors import APIError
+from .openai_logprobs import TokenTexts, spelled_text
 from .openai_prep import chat_prompt, check_model, tokenize
-from .openai_schemas import ChatCompletionRequest, ChatMessage, Tool, _Request, _Response
+from .openai_schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    Tool,
+    ToolChoice,
+    _Request,
+    _Response,
+)
 from .state import StateDep
 
 router = APIRouter(tags=["tokenizer"])
@@ -36,6 +47,7 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None  # 'none' renders no tools, as chat does
     add_generation_prompt: bool = True
     add_special_tokens: bool = True  # accepted; the server adds none (see the module)
     return_token_strs: bool = False
@@ -85,10 +97,15 @@ async def tokenize_route(body: TokenizeRequest, state: StateDep) -> TokenizeResp
             model=state.model_name,
             messages=body.messages,
             tools=body.tools,
+            tool_choice=body.tool_choice,
             add_generation_prompt=body.add_generation_prompt,
         )
         ids = (await chat_prompt(state, chat)).prompt_ids
-    strs = [state.engine.detokenize([t]) for t in ids] if body.return_token_strs else None
+    # each token's text as the completions route's logprobs spell it (special tokens too)
+    strs = None
+    if body.return_token_strs:
+        texts = TokenTexts(state.engine)
+        strs = [texts(t) for t in ids]
     return TokenizeResponse(
         count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs
     )
@@ -104,7 +121,10 @@ async def detokenize_route(body: DetokenizeRequest, state: StateDep) -> Detokeni
             raise APIError(
                 400, f"tokens[{i}] = {tid} is outside the vocabulary [0, {vocab})", param="tokens"
             )
-    return DetokenizeResponse(prompt=state.engine.detokenize(body.tokens))
+    # special tokens spelled, as an echoed token-id prompt is: /tokenize of the text gives
+    # the ids back (the engine's detokenize drops them)
+    text = await anyio.to_thread.run_sync(spelled_text, state.engine, body.tokens)
+    return DetokenizeResponse(prompt=text)
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo)

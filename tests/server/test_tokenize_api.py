@@ -50,7 +50,9 @@ async def test_tokenize_gives_the_ids_completions_count(client, engine):
     assert body["tokens"] == engine.tokenize(TEXT)
     assert body["count"] == len(body["tokens"]) > 3
     assert body["max_model_len"] == engine.max_model_len
-    assert body["token_strs"] == [engine.detokenize([t]) for t in body["tokens"]]
+    special = {i: s for s, i in engine.special_token_ids.items()}
+    assert body["token_strs"] == [special.get(t) or engine.detokenize([t]) for t in body["tokens"]]
+    assert "<|im_end|>" in body["token_strs"]  # spelled, not "" (detokenize drops it)
     c = await client.post(
         "/v1/completions",
         json={"model": engine.model_name, "prompt": TEXT, "max_tokens": 1, "temperature": 0},
@@ -92,12 +94,52 @@ async def test_tokenize_messages_counts_as_chat_completions(client, engine):
     assert no_prompt.json()["count"] <= r.json()["count"]
 
 
+async def test_tokenize_messages_with_tools_counts_as_chat_completions(client, engine):
+    """Tools are rendered into the prompt unless tool_choice is 'none' (then the model is
+    not told of them): /tokenize takes tool_choice too, so its count is chat's."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    counts = {}
+    for choice in (None, "none", "auto"):
+        extra = {} if choice is None else {"tool_choice": choice}
+        r = await client.post("/tokenize", json={"messages": messages, "tools": tools, **extra})
+        assert r.status_code == 200, r.text
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": engine.model_name,
+                "messages": messages,
+                "tools": tools,
+                "max_tokens": 1,
+                **extra,
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"], choice
+        counts[choice] = r.json()["count"]
+    assert counts["none"] < counts["auto"] == counts[None]
+
+
 async def test_detokenize_round_trips(client, engine):
     ids = engine.tokenize("Parrots live in flocks.")
     r = await client.post("/detokenize", json={"tokens": ids})
     assert r.status_code == 200, r.text
     assert r.json() == {"prompt": "Parrots live in flocks."}
     assert (await client.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
+    # special tokens are spelled (they were dropped): /tokenize's ids give the text back
+    ids = (await client.post("/tokenize", json={"prompt": TEXT})).json()["tokens"]
+    assert len(ids) < len(engine.tokenize(TEXT.replace("<|im_end|>", "<|im_end |>")))
+    r = await client.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": TEXT}
 
 
 async def test_tokenizer_info_names_the_special_tokens(client, engine):

@@ -212,10 +212,11 @@ def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], 
     ranges are checked by `SamplingParams.validate`)."""
     pairs = []
     for key, value in (bias or {}).items():
-        try:
-            tid = int(key.strip()) if key.strip().lstrip("-").isdigit() else None
-        except ValueError:
-            tid = None
+        text = key.strip()
+        # ASCII digits only: int() also reads other scripts' digits ("٣" is 3) and
+        # str.isdigit() passes superscripts, which int() refuses
+        digits = text[1:] if text.startswith("-") else text
+        tid = int(text) if digits.isascii() and digits.isdigit() else None
         if tid is None:
             raise APIError(
                 400,

@@ -103,7 +103,15 @@ async def test_a_ban_moves_the_greedy_decode_as_the_engine_does(client, engine):
 
 
 async def test_bad_bias_is_a_400_naming_logit_bias(client, engine):
-    for bias in ({"x": 1}, {"5": 101}, {str(engine.vocab_size): 1}, {"5": 1, " 5": 2}):
+    for bias in (
+        {"x": 1},
+        {"5": 101},
+        {str(engine.vocab_size): 1},
+        {"5": 1, " 5": 2},
+        {"\u0663": 1},  # an Arabic-Indic 3: int() reads it, it is no token id
+        {"\u00b2": 1},  # a superscript 2: isdigit() passes it, int() refuses it
+        {"--5": 1},
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             await client.completions.create(
                 model=engine.model_name, prompt=PROMPT, max_tokens=2, logit_bias=bias

@@ -131,6 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
             manage_engine=True,
             salt_secret=runtime.salt_secret,
             max_body_bytes=args.max_body_bytes,
+            max_inflight=args.max_inflight,
+            max_inflight_per_tenant=args.max_inflight_per_tenant,
+            max_prompts=args.max_prompts,
         )
         registry = None
         if args.operator_key:
@@ -338,6 +341,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body accepted, e.g. 16M (K, M, G: binary units); beyond: "
         "413. A program carries each call's template whole: 64 calls sharing a "
         "6,144-token system prompt are ~1.8 MB (default 8M)",
+    )
+    s.add_argument(
+        "--max-inflight",
+        type=_positive,
+        default=256,
+        metavar="N",
+        help="OpenAI-route requests generating at once (each prompt of a batch counts); "
+        "beyond: 429 with Retry-After (default 256)",
+    )
+    s.add_argument(
+        "--max-inflight-per-tenant",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="of those, the most one tenant holds at once; beyond: 429 for that tenant "
+        "only (default: no per-tenant bound)",
+    )
+    s.add_argument(
+        "--max-prompts",
+        type=_positive,
+        default=64,
+        metavar="N",
+        help="prompts in one /v1/completions request (a batch); beyond: 400 (default 64)",
     )
     s.add_argument(
         "--gc-threshold",

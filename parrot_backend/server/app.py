@@ -45,7 +45,9 @@ def create_app(
         engine=engine,
         settings=settings,
         metrics=metrics,
-        limiter=InflightLimiter(settings.max_inflight, settings.retry_after_s),
+        limiter=InflightLimiter(
+            settings.max_inflight, settings.retry_after_s, settings.max_inflight_per_tenant
+        ),
         authenticator=authenticator,
     )
 

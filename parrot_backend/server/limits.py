@@ -95,46 +95,72 @@ class InflightLimiter:
     """Bounds the generating requests; beyond the bound a request gets 429 + Retry-After.
 
     Rejecting at once (instead of queueing) keeps memory bounded and tells load balancers
-    and clients to back off while the engine is saturated.
+    and clients to back off while the engine is saturated. With `per_tenant`, one tenant
+    (API key's tenant) holds at most that many of the slots, so a tenant's burst (one
+    batch of 64 prompts, say) cannot take the whole server from the others.
     """
 
-    def __init__(self, limit: int, retry_after_s: int) -> None:
+    def __init__(self, limit: int, retry_after_s: int, per_tenant: int | None = None) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
+        self.per_tenant = per_tenant
         self.inflight = 0
+        self.by_tenant: dict[str, int] = {}  # tenants with slots held (none: no entry)
 
-    def acquire(self) -> Slot:
-        return self.acquire_many(1)[0]
+    def acquire(self, tenant: str | None = None) -> Slot:
+        return self.acquire_many(1, tenant)[0]
 
-    def acquire_many(self, count: int) -> list[Slot]:
+    def acquire_many(self, count: int, tenant: str | None = None) -> list[Slot]:
         """`count` slots at once or none (429): a batch of prompts takes one per prompt, all
         before any work starts, so it never waits on slots it holds itself nor gets part of
-        the engine past the bound. A batch larger than the bound could never be admitted:
+        the engine past the bound. A batch larger than a bound could never be admitted:
         the route refuses it first (400, `max_prompts`)."""
+        batch = f"; this request needs {count}" if count > 1 else ""
         if self.inflight + count > self.limit:
-            batch = f"; this request needs {count}" if count > 1 else ""
-            raise APIError(
-                429,
-                f"server busy: {self.inflight} requests in flight (limit {self.limit}{batch}); "
-                "retry later",
-                code="server_overloaded",
-                headers={"Retry-After": str(self.retry_after_s)},
+            raise self._busy(
+                f"server busy: {self.inflight} requests in flight (limit {self.limit}{batch})"
+            )
+        held = self.by_tenant.get(tenant, 0) if tenant is not None else 0
+        if tenant is not None and self.per_tenant is not None and held + count > self.per_tenant:
+            raise self._busy(
+                f"too many requests in flight for this API key's tenant: {held} (limit "
+                f"{self.per_tenant} per tenant{batch})"
             )
         self.inflight += count
-        return [Slot(self) for _ in range(count)]
+        if tenant is not None:
+            self.by_tenant[tenant] = held + count
+        return [Slot(self, tenant) for _ in range(count)]
+
+    def _busy(self, why: str) -> APIError:
+        return APIError(
+            429,
+            f"{why}; retry later",
+            code="server_overloaded",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
+
+    def _release(self, tenant: str | None) -> None:
+        self.inflight -= 1
+        if tenant is not None:
+            left = self.by_tenant.get(tenant, 1) - 1
+            if left > 0:
+                self.by_tenant[tenant] = left
+            else:
+                self.by_tenant.pop(tenant, None)
 
 
 class Slot:
     """One admitted request; `release()` is idempotent so every exit path may call it."""
 
-    __slots__ = ("_limiter",)
+    __slots__ = ("_limiter", "_tenant")
 
-    def __init__(self, limiter: InflightLimiter) -> None:
+    def __init__(self, limiter: InflightLimiter, tenant: str | None = None) -> None:
         self._limiter: InflightLimiter | None = limiter
+        self._tenant = tenant
 
     def release(self) -> None:
         if self._limiter is not None:
-            self._limiter.inflight -= 1
+            self._limiter._release(self._tenant)
             self._limiter = None
 
 

@@ -96,12 +96,13 @@ async def _admit(
     longer gets its response started (headers, then SSE pings) while it waits, so clients
     and proxies with read timeouts see a live stream; an error of that prefill then comes
     as the stream's error event instead of an HTTP status."""
+    tenant = get_tenant(request)
     try:
-        slots = state.limiter.acquire_many(len(prompts))
+        slots = state.limiter.acquire_many(len(prompts), tenant)
     except APIError:
         state.metrics.reject("overloaded")
         raise
-    salt = state.salt_for(get_tenant(request))
+    salt = state.salt_for(tenant)
     runs = [
         RequestRun(
             state.engine,

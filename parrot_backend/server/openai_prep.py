@@ -262,8 +262,11 @@ class CompletionPrompt:
 
 def max_prompts(state: ServerState) -> int:
     """Most prompts one request may carry: `max_prompts`, and no more than the in-flight
-    slots (each prompt takes one, so a larger batch could never be admitted)."""
-    return min(state.settings.max_prompts, state.settings.max_inflight)
+    slots, all or one tenant's (each prompt takes one, so a larger batch could never be
+    admitted)."""
+    settings = state.settings
+    caps = [settings.max_prompts, settings.max_inflight, settings.max_inflight_per_tenant]
+    return min(c for c in caps if c is not None)
 
 
 @contextlib.contextmanager

@@ -49,6 +49,9 @@ class ServerSettings:
     max_model_len: int | None = None  # defaults to the engine's max_model_len
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_inflight: int = 256  # generating requests at once; beyond it 429
+    # of those, the most one tenant (API key's tenant) holds at once; beyond it 429 for that
+    # tenant only. None: no per-tenant bound (a tenant may take all `max_inflight`)
+    max_inflight_per_tenant: int | None = None
     max_pending_calls: int = 10_000  # native calls waiting for an engine; beyond it 429
     retry_after_s: int = 1
     max_n: int = 8  # largest `n` (choices per request) accepted
@@ -98,6 +101,8 @@ class ServerSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_inflight_per_tenant is not None and self.max_inflight_per_tenant < 1:
+            raise ValueError("max_inflight_per_tenant must be >= 1 (or None: no bound)")
         if self.retry_after_s < 0:
             raise ValueError("retry_after_s must be >= 0")
         if self.stream_start_s < 0:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import statistics
@@ -129,20 +130,13 @@ async def bench(url: str, args: argparse.Namespace) -> None:
     await client.http.aclose()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=48, help="prompts per mode and repetition")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--url", help="a running server (default: start `serve` here)")
-    args = ap.parse_args()
-    if args.url:
-        asyncio.run(bench(args.url, args))
-        return
+@contextlib.contextmanager
+def serve(*serve_args: str):
+    """A `parrot-backend serve` of this checkout on a free port (its URL), stopped after."""
     port = free_port()
     log = open(os.devnull, "w")  # noqa: SIM115 (held for the process's life)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parrot_backend.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "parrot_backend.cli", "serve", "--port", str(port), *serve_args],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -159,10 +153,25 @@ def main() -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("serve did not start")
             time.sleep(1)
-        asyncio.run(bench(url, args))
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=48, help="prompts per mode and repetition")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--url", help="a running server (default: start `serve` here)")
+    args = ap.parse_args()
+    if args.url:
+        asyncio.run(bench(args.url, args))
+        return
+    with serve() as url:
+        asyncio.run(bench(url, args))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,47 @@ recently freed block, which evicts its hash (LRU).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
+
+# a prompt-scoring fill's entry for one token: (its logprob, the top k as (id, logprob))
+Entry = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class BlockScores:
+    """The log probabilities a scoring fill computed for one cached block's tokens (each
+    given every token before it), from token `first` of the block on (those before were
+    not the fill's): token i's own in `chosen[i]`, its top `k` alternatives in
+    `ids`/`values[i * k : (i + 1) * k]`. float32, as the engine computes them (so exact);
+    a token without an entry reads NaN. About 700 bytes a block at k = 5."""
+
+    k: int
+    first: int
+    chosen: array
+    ids: array
+    values: array
+
+    @classmethod
+    def pack(cls, k: int, first: int, entries: list[Entry | None]) -> BlockScores:
+        chosen, ids, values = array("f"), array("i"), array("f")
+        for entry in entries:
+            if entry is None:  # not the fill's token, or the chain's first
+                chosen.append(float("nan"))
+                ids.extend([0] * k)
+                values.extend([0.0] * k)
+                continue
+            chosen.append(entry[0])
+            ids.extend(i for i, _ in entry[1])
+            values.extend(v for _, v in entry[1])
+        return cls(k, first, chosen, ids, values)
+
+    def entry(self, i: int, k: int) -> Entry:
+        """Token i's entry with its top `k` (at most this block's)."""
+        at = i * self.k
+        top = list(zip(self.ids[at : at + k], self.values[at : at + k], strict=True))
+        return self.chosen[i], top
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -37,6 +77,11 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_key: list[tuple | None] = [None] * num_blocks  # (parent, tokens) to verify
         self.by_hash: dict[int, int] = {}
+        # a scoring fill's log probabilities of a cached block's tokens, by its chain hash,
+        # while some block caches that hash: a later scoring fill of the same prefix takes
+        # them with the KV instead of computing the block again (a multiple-choice task
+        # scores one context with each of its answers)
+        self.scores: dict[int, BlockScores] = {}
         # free blocks that still cache a prefix, kept as blocks move (engine stats read it
         # for every call the manager places: counting the free list was O(pool), ~4 ms a
         # call with a pool of a large memory)
@@ -105,6 +150,21 @@ class BlockPool:
                 self._cached_free += 1
         return h
 
+    def keep_scores(self, h: int, k: int, first: int, entries: list[Entry | None]) -> None:
+        """Keep a cached block's token scores (`h`: its chain hash, as `register` returns;
+        `entries` from token `first` of the block on), unless that hash is not cached or
+        already has scores with a top k as large from a token as early."""
+        kept = self.scores.get(h)
+        if h in self.by_hash and (kept is None or kept.k < k or kept.first > first):
+            if kept is None or (kept.k <= k and kept.first >= first):
+                self.scores[h] = BlockScores.pack(k, first, entries)
+
+    def cached_scores(self, h: int, k: int, first: int = 0) -> BlockScores | None:
+        """The kept scores of the cached block with chain hash `h`, if they have a top k
+        of at least `k` and entries from its token `first` on."""
+        kept = self.scores.get(h)
+        return kept if kept is not None and kept.k >= k and kept.first <= first else None
+
     def _forget(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
@@ -112,5 +172,6 @@ class BlockPool:
                 self._cached_free -= 1
             if self.by_hash.get(h) == block:
                 del self.by_hash[h]
+                self.scores.pop(h, None)
             self.block_hash[block] = None
             self.block_key[block] = None

@@ -227,9 +227,12 @@ class Engine(StepLoop):
     ) -> int | ScoredFill:
         """Append tokens to a context and compute their KV; returns the context length.
 
-        With `prompt_logprobs` k, a `ScoredFill`: the fill computes every token it appends
-        (the prefix cache serves only the tokens before them) and, in each prefill chunk,
-        the lm-head and log-softmax over its positions (`ModelRunner._score_prompt`)."""
+        With `prompt_logprobs` k, a `ScoredFill`: the fill computes the tokens it appends
+        and, in each prefill chunk, the lm-head and log-softmax over their positions
+        (`ModelRunner._score_prompt`). The prefix cache serves the tokens before them, and
+        of its own tokens the cached blocks whose scores an earlier scoring fill kept (a
+        top k as large): their entries are copied, and the last position taken from the
+        cache is computed again to score the next token (`Scheduler._match_scored`)."""
         self._check_alive()
         check_logprobs("prompt_logprobs", prompt_logprobs, self.vocab_size)
         if not isinstance(token_ids, (list, tuple)) or not all(

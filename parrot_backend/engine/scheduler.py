@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from parrot_backend.contract.errors import OutOfMemory
 
 from .block_pool import BlockPool
-from .context import Context, Request
+from .context import Context, PromptScores, Request
 
 
 @dataclass(slots=True)
@@ -206,6 +206,8 @@ class Scheduler:
         work: list[Work] = []
         planned: set[int] = set(self.paused)  # never preempted for this step's work
         computing: set[int] = set()  # chain hashes of the full blocks this step completes
+        # those whose token scores a scoring fill keeps after this step, with its top k
+        scoring: dict[int, tuple[int, int]] = {}
         # decodes first (one token each), then prefills; both by priority, then arrival
         order = sorted(
             (r for r in self.running if id(r) not in self.paused),
@@ -268,10 +270,16 @@ class Scheduler:
                 # meanwhile (8 concurrent 1,024-token prompts: the rest hit at admission only
                 # where they came a step late, 4,600-8,200 of 8,200 tokens computed)
                 scores = req.scores
-                # a scoring fill computes every token it appends (the logits of each
-                # position): only the tokens before it may come from the cache
-                self._match_prefix(ctx, len(ctx.tokens) if scores is None else scores.start)
-                if scores is None and self._in_flight(ctx, computing) >= DEDUPE_MIN_TOKENS:
+                if scores is None:
+                    self._match_prefix(ctx, len(ctx.tokens))
+                else:
+                    self._match_scored(ctx, scores)
+                if (
+                    scores is None
+                    and self._in_flight(ctx, computing) >= DEDUPE_MIN_TOKENS
+                    or scores is not None
+                    and self._scored_in_flight(ctx, scoring, scores) >= DEDUPE_MIN_TOKENS
+                ):
                     # its next blocks are being computed in this step by another request: it
                     # starts next step and takes them from the cache. Not for a block or two
                     # (forks whose first own block holds the same text): a step more for
@@ -322,6 +330,8 @@ class Scheduler:
                 # block j - 1 ends in this chunk: its cache key is the chain hash of j blocks
                 first, end = ctx.num_computed // bs + 1, (ctx.num_computed + n) // bs + 1
                 computing.update(ctx.block_hash(j) for j in range(first, end))
+                if req.scores is not None:
+                    self._scoring(req.scores, ctx, first, end, scoring)
             draft = None
             if drafting and n == req.pending and not behind:  # its chunk ends the context
                 draft = self._draft(req, budget - n)
@@ -517,6 +527,74 @@ class Scheduler:
             else:
                 ctx.blocks.append(block)
             ctx.num_computed = (k + 1) * bs
+
+    def _match_scored(self, ctx: Context, scores: PromptScores) -> None:
+        """`_match_prefix` for a scoring fill: the tokens before it as for any request, then
+        the cached blocks holding its own tokens that a scoring fill kept scores for (a top
+        k as large, entries for the tokens this fill scores), their entries copied into
+        this fill's. It computes again the last position taken from the cache, whose
+        logits give the next token's entry."""
+        s, k, bs = scores.start, scores.k, self.pool.block_size
+        self._match_prefix(ctx, s)
+        if not self.pool.prefix_cache:
+            return
+        taken = False
+        while (ctx.num_computed // bs + 1) * bs <= len(ctx.tokens):
+            b = ctx.num_computed // bs
+            need = max(0, s + 1 - b * bs)  # the block's first token the fill scores
+            kept = None
+            if need < bs:
+                kept = self.pool.cached_scores(ctx.block_hash(b + 1), k, need)
+                if kept is None:
+                    break
+            block = self.pool.lookup(ctx.block_hash(b), tuple(ctx.tokens[b * bs : (b + 1) * bs]))
+            if block is None:
+                break
+            if b < len(ctx.blocks):  # (a fork's partial block of its parent's: replaced)
+                self.pool.decref(ctx.blocks[b])
+                ctx.blocks[b] = block
+            else:
+                ctx.blocks.append(block)
+            if kept is not None:
+                for i in range(need, bs):
+                    scores.entries[b * bs + i - s] = kept.entry(i, k)
+                taken = True
+            ctx.num_computed = (b + 1) * bs
+        if taken and ctx.num_computed < len(ctx.tokens):
+            ctx.num_computed -= 1  # the last cached position's logits score the next token
+
+    def _scoring(
+        self,
+        scores: PromptScores,
+        ctx: Context,
+        first: int,
+        end: int,
+        scoring: dict[int, tuple[int, int]],
+    ) -> None:
+        """Note the blocks j - 1 (j in [first, end)) that a scoring fill completes in this
+        step and keeps scores for (`StepLoop._keep_scores`): hash -> (top k, the block's
+        first token with an entry)."""
+        s, bs = scores.start, self.pool.block_size
+        for j in range(first, end):
+            since = max(0, s + 1 - (j - 1) * bs)
+            if since < bs:
+                h = ctx.block_hash(j)
+                k0, f0 = scoring.get(h, (-1, bs))
+                scoring[h] = (max(k0, scores.k), min(f0, since))
+
+    def _scored_in_flight(
+        self, ctx: Context, scoring: dict[int, tuple[int, int]], scores: PromptScores
+    ) -> int:
+        """`_in_flight` for a scoring fill: its next blocks that this step completes with
+        the scores it needs (`_scoring`)."""
+        bs, s, k = self.pool.block_size, scores.start, scores.k
+        j = ctx.num_computed // bs + 1
+        while j * bs <= len(ctx.tokens):
+            got = scoring.get(ctx.block_hash(j))
+            if got is None or got[0] < k or got[1] > max(0, s + 1 - (j - 1) * bs):
+                break
+            j += 1
+        return (j - 1 - ctx.num_computed // bs) * bs
 
     def _in_flight(self, ctx: Context, computing: set[int]) -> int:
         """Tokens of the context's next uncomputed full blocks that are among `computing`

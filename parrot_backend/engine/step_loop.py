@@ -462,9 +462,11 @@ class StepLoop:
                 token = None
             for k in range(before // bs, ctx.num_computed // bs):
                 # publish blocks that just became full for the token-level prefix cache
-                self.pool.register(
+                h = self.pool.register(
                     ctx.blocks[k], ctx.block_hash(k), tuple(ctx.tokens[k * bs : (k + 1) * bs])
                 )
+                if req.scores is not None:
+                    self._keep_scores(req, k, h)
             if req.done:
                 continue  # cancelled while the step ran
             if req.kind == "fill":
@@ -482,6 +484,19 @@ class StepLoop:
                 if not fork.ctx.freed:
                     self.scheduler.unjoin(fork.ctx)
                 self._fail(fork, StepFailed("its parent's fill failed in the step it joined"))
+
+    def _keep_scores(self, req: Request, k: int, h: int) -> None:
+        """A scoring fill's just-full block k: keep its tokens' entries with the cached
+        block (`BlockPool.keep_scores`), from its first token after the fill's first on
+        (the fill's first token and those before have none)."""
+        scores, bs = req.scores, self.pool.block_size
+        s, lo = scores.start, k * bs
+        first = max(0, s + 1 - lo)
+        if first >= bs:
+            return
+        entries = [scores.entries[p - s] if p > s else None for p in range(lo, lo + bs)]
+        if all(e is not None for e in entries[first:]):
+            self.pool.keep_scores(h, scores.k, first, entries)
 
     def _emit_checked(self, req: Request, w: Work, tokens: list[int]) -> None:
         """Hand a request the tokens of its row with drafts (`speculate.accept`): the

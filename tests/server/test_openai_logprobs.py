@@ -606,3 +606,30 @@ def test_generated_offsets_index_the_text_after_split_characters(engine):
         got += out.text_offset
     _check_offsets(SPLIT, tokens, got)
     assert got[-1] == SPLIT.index(" ok")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_multiple_choice_context_is_computed_once(client, engine, scores, batched):
+    """lm-eval's multiple choice: one context scored with each of 4 answers, as 4 requests
+    one after another or as one batch of 4 prompts. The context's full blocks are computed
+    once (the later prompts take them and their kept scores from the prefix cache), and
+    every answer's entries equal transformers'."""
+    bs = engine.pool.block_size
+    # (over 64 tokens: concurrent fills wait a step for blocks another computes from 64 on)
+    context = engine.tokenize(f"{PROMPT} A question of its own, batched={batched}? " * 8)
+    answers = [engine.tokenize(f" answer {a}" * (a + 1)) for a in range(4)]
+    prompts = [context + a for a in answers]
+    kw = {"model": engine.model_name, "echo": True, "logprobs": 1, "max_tokens": 0}
+    before = engine.stats_now().prefill_tokens_computed
+    if batched:
+        r = await client.completions.create(**kw, prompt=prompts)
+        choices = sorted(r.choices, key=lambda c: c.index)
+    else:
+        choices = [(await client.completions.create(**kw, prompt=p)).choices[0] for p in prompts]
+    computed = engine.stats_now().prefill_tokens_computed - before
+    shared = len(context) // bs * bs
+    assert shared >= 64
+    # each later prompt computes its own tokens and the last cached position once more
+    assert computed == sum(len(p) for p in prompts) - 3 * (shared - 1)
+    for choice, ids in zip(choices, prompts, strict=True):
+        _check_echoed(engine, choice.logprobs, ids, 1, scores)

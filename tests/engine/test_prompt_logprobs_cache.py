@@ -86,11 +86,13 @@ def test_one_context_with_two_continuations(tiny_model_dir, reference):
     _check_prompt(e2, context + answers[1], 2, reference)
 
 
-def test_two_concurrent_fills_of_one_prompt_compute_it_once(tiny_model_dir, reference):
-    """The second waits a step for the blocks the first computes (as plain fills do)."""
+@pytest.mark.parametrize("blocks", [1, 8])
+def test_two_concurrent_fills_of_one_prompt_compute_it_once(tiny_model_dir, reference, blocks):
+    """The second waits a step for the blocks the first computes (plain fills do from 64
+    tokens on; scoring fills from one block)."""
     engine = _engine(tiny_model_dir, max_batched_tokens=256)
     bs = engine.pool.block_size
-    prompt = _prompt(engine.vocab_size, 8 * bs + 2, seed=25)
+    prompt = _prompt(engine.vocab_size, blocks * bs + 2, seed=25)
 
     async def main():
         async with engine:
@@ -102,7 +104,7 @@ def test_two_concurrent_fills_of_one_prompt_compute_it_once(tiny_model_dir, refe
             return got, _prefill(engine) - before
 
     (x, y), computed = asyncio.run(main())
-    assert computed == len(prompt) + (len(prompt) - 8 * bs + 1)
+    assert computed == len(prompt) + (len(prompt) - blocks * bs + 1)
     _check_prompt(x.prompt_logprobs, prompt, 1, reference)
     _check_prompt(y.prompt_logprobs, prompt, 1, reference)
 

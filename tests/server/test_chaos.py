@@ -299,6 +299,13 @@ async def openai(c, tally, tenant, rng) -> None:
         body["prompt"] = f"A story about {rng.choice(WORDS)}:"
         if rng.random() < 0.35:  # scoring the prompt (a fill that scores), as harnesses do
             body.update(echo=True, logprobs=rng.choice([0, 1, 3]), n=rng.choice([1, 1, 2]))
+            # a multiple-choice question: one context (several blocks, whose kept scores
+            # later requests take) with one answer, or a batch of its answers
+            context = SHARED * 3 + f"Q: what about {rng.choice(WORDS)}? A:"
+            answers = [f" {w}" for w in rng.sample(WORDS, rng.randint(1, 3))]
+            body["prompt"] = (
+                [context + a for a in answers] if len(answers) > 1 else context + answers[0]
+            )
             if rng.random() < 0.5:
                 body["max_tokens"] = 0
     if rng.random() < 0.15 and "logprobs" not in body:

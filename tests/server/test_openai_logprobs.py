@@ -615,7 +615,8 @@ async def test_a_multiple_choice_context_is_computed_once(client, engine, scores
     once (the later prompts take them and their kept scores from the prefix cache), and
     every answer's entries equal transformers'."""
     bs = engine.pool.block_size
-    context = engine.tokenize(f"{PROMPT} A question of its own, batched={batched}? " * 3)
+    # (its own text from the first token: no block of it cached by another test)
+    context = engine.tokenize(f"Multiple choice, batched={batched}: {PROMPT}? " * 3)
     answers = [engine.tokenize(f" answer {a}" * (a + 1)) for a in range(4)]
     prompts = [context + a for a in answers]
     kw = {"model": engine.model_name, "echo": True, "logprobs": 1, "max_tokens": 0}

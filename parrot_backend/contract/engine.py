@@ -86,6 +86,10 @@ class EngineStats:
     # many of them were kept; None: the engine does not draft
     draft_tokens: int | None = None
     draft_tokens_accepted: int | None = None
+    # prompt tokens whose scores (logprob and top k, for `prompt_logprobs`) were copied from
+    # the scores a scoring fill kept with a cached block, not computed; None: the engine
+    # keeps no scores
+    prompt_scores_reused: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property

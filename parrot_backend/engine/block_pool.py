@@ -88,6 +88,7 @@ class BlockPool:
         self._cached_free = 0
         self.hits = 0  # tokens served from the cache
         self.queries = 0  # tokens looked up
+        self.scores_reused = 0  # token scores taken from kept scores (the scheduler counts)
 
     @property
     def num_free(self) -> int:

@@ -345,6 +345,7 @@ class Engine(StepLoop):
             prefill_tokens_computed=self.prefill_tokens_computed,
             draft_tokens=self.drafted,
             draft_tokens_accepted=self.draft_accepted,
+            prompt_scores_reused=self.pool.scores_reused,
             tokens_generated=self.tokens_generated,
             preemptions=s.preemptions,
             steps=self.steps,

@@ -560,7 +560,10 @@ class Scheduler:
                 ctx.blocks.append(block)
             if kept is not None:
                 for i in range(need, bs):
-                    scores.entries[b * bs + i - s] = kept.entry(i, k)
+                    j = b * bs + i - s
+                    # (a fill matched again, after waiting a step, retakes its last block)
+                    self.pool.scores_reused += scores.entries[j] is None
+                    scores.entries[j] = kept.entry(i, k)
                 taken = True
             ctx.num_computed = (b + 1) * bs
         if taken and ctx.num_computed < len(ctx.tokens):

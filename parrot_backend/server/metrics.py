@@ -64,6 +64,13 @@ class _EngineCollector(Collector):
                 "Draft tokens kept: equal to the model's greedy choice",
                 value=s.draft_tokens_accepted,
             )
+        if s.prompt_scores_reused is not None:
+            yield CounterMetricFamily(
+                "parrot_engine_prompt_scores_reused",
+                "Prompt tokens whose scores (echo + logprobs) were taken from the prefix "
+                "cache's kept scores, not computed",
+                value=s.prompt_scores_reused,
+            )
         yield CounterMetricFamily(
             "parrot_prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache",

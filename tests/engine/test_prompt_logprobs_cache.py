@@ -51,12 +51,15 @@ def test_the_same_prompt_scored_again_takes_its_blocks_and_scores(tiny_model_dir
         async with engine:
             first = await _score(engine, "a", prompt, 3)
             await engine.free("a")
+            reused = engine.stats_now().prompt_scores_reused
             second = await _score(engine, "b", prompt, 3)
             await engine.free("b")
-            return first, second
+            return first, second, (reused, engine.stats_now().prompt_scores_reused)
 
-    (e1, c1, h1), (e2, c2, h2) = asyncio.run(main())
+    (e1, c1, h1), (e2, c2, h2), reused = asyncio.run(main())
     assert (c1, h1) == (len(prompt), 0)
+    # the scores of the 3 blocks' tokens but the first (which has none) were taken
+    assert reused == (0, 3 * bs - 1)
     # 3 cached blocks; the last of their positions is computed again to score the next
     assert h2 == 3 * bs and c2 == len(prompt) - 3 * bs + 1
     _check_prompt(e2, prompt, 3, reference)

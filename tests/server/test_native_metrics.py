@@ -123,6 +123,18 @@ async def test_prefill_tokens_are_exported_when_the_engine_counts_them():
     text = (await ServerMetrics().render(uncounted)).decode()
     assert "parrot_engine_prefill_tokens_computed" not in text
     assert "parrot_engine_draft_tokens" not in text  # nor one that does not draft
+    assert "parrot_engine_prompt_scores_reused" not in text  # nor one that keeps no scores
+
+
+async def test_prompt_scores_reused_are_exported_when_the_engine_keeps_scores():
+    keeping = FakeEngine()
+
+    async def stats() -> EngineStats:
+        return block_stats(16, 1600, 0, prompt_scores_reused=47)
+
+    keeping.stats = stats
+    text = (await ServerMetrics().render(keeping)).decode()
+    assert _value(text, "parrot_engine_prompt_scores_reused_total") == 47
 
 
 async def test_draft_tokens_are_exported_when_the_engine_drafts():

@@ -621,6 +621,7 @@ async def test_a_multiple_choice_context_is_computed_once(client, engine, scores
     prompts = [context + a for a in answers]
     kw = {"model": engine.model_name, "echo": True, "logprobs": 1, "max_tokens": 0}
     before = engine.stats_now().prefill_tokens_computed
+    reused = engine.stats_now().prompt_scores_reused
     if batched:
         r = await client.completions.create(**kw, prompt=prompts)
         choices = sorted(r.choices, key=lambda c: c.index)
@@ -631,5 +632,7 @@ async def test_a_multiple_choice_context_is_computed_once(client, engine, scores
     assert shared >= 2 * bs
     # each later prompt computes its own tokens and the last cached position once more
     assert computed == sum(len(p) for p in prompts) - 3 * (shared - 1)
+    # and took those tokens' scores from the kept ones (the first token has none)
+    assert engine.stats_now().prompt_scores_reused - reused == 3 * (shared - 1)
     for choice, ids in zip(choices, prompts, strict=True):
         _check_echoed(engine, choice.logprobs, ids, 1, scores)

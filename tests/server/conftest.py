@@ -88,7 +88,9 @@ def live(app) -> Iterator[LiveServer]:
         yield server
 
 
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
+    """Poll until `predicate()` holds (True) or `timeout` passes (its last value); the
+    timeout is generous: a loaded CI machine may be slow, and a passing wait ends early."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -454,7 +454,7 @@ def test_disconnect_of_a_batch_closes_every_run(tiny_model_dir, stream):
                 assert wait_until(
                     lambda: engine.stats_now().tokens_generated > before + 12, timeout=30
                 )
-        assert wait_until(lambda: _quiet(engine), timeout=10)
+        assert wait_until(lambda: _quiet(engine))
         generated = engine.stats_now().tokens_generated
         assert generated < 6 * 500  # stopped far short of what the batch asked for
         assert wait_until(lambda: app.state.parrot.limiter.inflight == 0)

@@ -3,6 +3,7 @@ loses no run (its calls run elsewhere; outputs equal a replay on the survivors).
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
@@ -35,7 +36,7 @@ def fan_out() -> dict:
         {
             "name": f"w{i}",
             "template": f"Worker {i} writes about {{{{input:t}}}}: {{{{output:p{i}}}}}",
-            "outputs": {f"p{i}": {"max_tokens": 48}},
+            "outputs": {f"p{i}": {"max_tokens": 96}},
         }
         for i in range(4)
     ]
@@ -109,16 +110,30 @@ def test_remote_engines_share_prefixes_and_survive_an_engine_death(tiny_model_di
         # an engine dies while it runs calls of a run: the run still finishes
         run_id = httpx.post(f"{url}/v1/runs", json=fan_out(), timeout=30).json()["run_id"]
 
+        by_id = dict(zip(("r1", "r2"), procs, strict=True))
+
         def running_remotely() -> str | None:
             for call in detail(url, run_id)["calls"]:
-                if call["status"] in ("claimed", "running") and call["engine"] in ("r1", "r2"):
+                if call["status"] in ("claimed", "running") and call["engine"] in by_id:
                     return call["engine"]
             return None
 
-        wait_for(lambda: running_remotely() is not None, 60)
-        victim = running_remotely()
-        [proc] = [p for p, eid in zip(procs, ("r1", "r2"), strict=True) if eid == victim]
-        proc.kill()
+        victim = None
+        while victim is None:
+            wait_for(lambda: running_remotely() is not None, 60)
+            # freeze both engines, let the server take in what they sent, and kill one
+            # that still holds an unfinished call (a call seen running may have ended
+            # since: a loaded machine polls slowly)
+            for p in procs:
+                p.proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)
+            victim = running_remotely()
+            if victim is not None:
+                by_id[victim].kill()
+            for p in procs:
+                if p.proc.poll() is None:
+                    p.proc.send_signal(signal.SIGCONT)
+            assert victim is not None or detail(url, run_id)["run"]["status"] != "done"
         merged = value(url, run_id, "m")
         # the run ends just after its last value is committed
         wait_for(lambda: detail(url, run_id)["run"]["status"] == "done", 30)

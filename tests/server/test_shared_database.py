@@ -50,8 +50,9 @@ def shared_database(tiny_model_dir, tmp_path, url: str | None) -> None:
     b = Serve(tiny_model_dir, tmp_path, url, args=NO_DRAFTS)
     a.cmd[a.cmd.index("--worker-id") + 1] = "server-a"
     b.cmd[b.cmd.index("--worker-id") + 1] = "server-b"
-    a.cmd += ["--run-lease", "3"]
-    b.cmd += ["--run-lease", "3"]
+    # (renewed every third of it: a loaded machine may hold A's renewal a few seconds)
+    a.cmd += ["--run-lease", "8"]
+    b.cmd += ["--run-lease", "8"]
     try:
         url_a, url_b = a.start(), b.start()
         run_id = httpx.post(f"{url_a}/v1/runs", json=long_chain(), timeout=30).json()["run_id"]

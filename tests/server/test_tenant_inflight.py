@@ -88,7 +88,7 @@ def test_a_tenant_at_its_share_is_refused_while_another_is_served():
             for s in streams:
                 s.__exit__(None, None, None)
         limiter = app.state.parrot.limiter
-        assert wait_until(lambda: limiter.inflight == 0, timeout=10), limiter.by_tenant
+        assert wait_until(lambda: limiter.inflight == 0), limiter.by_tenant
         r = c.post(
             "/v1/completions",
             json={**body, "stream": False, "max_tokens": 2},

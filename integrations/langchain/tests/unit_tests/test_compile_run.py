@@ -5,7 +5,6 @@ metadata and cancellation."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -138,11 +137,9 @@ def test_metadata_of_a_chat_answer_matches_chat_parrots(server) -> None:
 def test_leaving_a_sync_stream_early_cancels_the_run(server) -> None:
     server.delay = 0.05
     chain = compile_chain(PROMPT | chat() | StrOutputParser())
-    start = time.monotonic()
     for _ in chain.stream({"q": "a" * 40}):
         break
     assert f"POST /v1/runs/{NativeServer.RUN_ID}/cancel" in server.paths
-    assert time.monotonic() - start < 5
 
 
 def test_a_batch_gives_each_input_its_own_config_and_chain_run(server) -> None:

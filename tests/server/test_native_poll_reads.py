@@ -54,11 +54,11 @@ async def test_a_fan_outs_long_polls_share_one_store_read(tmp_path) -> None:
             asyncio.create_task(c.get(f"/v1/runs/{rid}/variables/p{i}", params={"timeout": 20}))
             for i in range(FAN)
         ]
-        for _ in range(2000):  # every call generating (held), every poll waiting
-            if len(engine.generations) == FAN:
+        run = rt.manager.runs[rid]
+        for _ in range(6000):  # every call generating (held), every poll waiting
+            if len(engine.generations) == FAN and all(f"p{i}" in run.futures for i in range(FAN)):
                 break
             await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
         # another tenant's poll of the live run: a 404, as for a missing run
         other = await c.get(f"/v1/runs/{rid}/variables/p0", params={"timeout": 1}, headers=BOB)
         assert other.status_code == 404

@@ -58,7 +58,8 @@ def ready(d: dict) -> dict[str, tuple[str, str]]:
 
 
 def read_events(url: str, run_id: str, last_id: str | None, seconds: float) -> list[dict]:
-    """Read the run's SSE stream (from `last_id`) for up to `seconds` or until it ends."""
+    """Read the run's SSE stream (from `last_id`) for up to `seconds` (but until a whole
+    event has come, however slow the server) or until it ends."""
     headers = {"Last-Event-ID": last_id} if last_id else {}
     raw = ""
     end = time.monotonic() + seconds
@@ -72,7 +73,7 @@ def read_events(url: str, run_id: str, last_id: str | None, seconds: float) -> l
             assert r.status_code == 200
             for chunk in r.iter_text():
                 raw += chunk
-                if time.monotonic() > end:
+                if time.monotonic() > end and "\n\n" in raw.replace("\r\n", "\n"):
                     break
     except httpx.ReadTimeout:
         pass

@@ -197,7 +197,11 @@ async def test_fan_out_waits_for_one_warm_up_of_the_shared_prefix() -> None:
         return "".join(d.text for d in await run(engine, f"c{i}", max_tokens=2))
 
     tasks = [asyncio.create_task(child(i)) for i in range(5)]
-    await asyncio.sleep(0.05)
+    for _ in range(6000):  # the warm-up is sent (however loaded the machine)
+        if fake.requests:
+            break
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)  # and the children have had time to send (they must not)
     # one warm-up of exactly the prefix, and no child sent before it is done
     assert [(p, b["prompt"], b["stream"]) for p, b in fake.requests] == [
         ("/completion", prefix, False)

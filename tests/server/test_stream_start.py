@@ -19,8 +19,8 @@ from .conftest import AUTH, KEYS, LiveServer, wait_until
 
 REPLY = "Hello from the fake engine."
 MODEL = "fake-model"
-QUEUED = 3.0  # seconds the prompt waits in the fake engine's queue
-READ_TIMEOUT = 1.5  # the client's: shorter than the wait, longer than the start + pings
+QUEUED = 5.0  # seconds the prompt waits in the fake engine's queue
+READ_TIMEOUT = 2.5  # the client's: shorter than the wait, longer than the start + pings
 
 
 def _settings(**kw) -> ServerSettings:

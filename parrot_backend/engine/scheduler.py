@@ -550,6 +550,17 @@ class Scheduler:
                 kept = self.pool.cached_scores(ctx.block_hash(b + 1), k, need)
                 if kept is None:
                     break
+            if (
+                b < len(ctx.blocks)
+                and self.pool.block_hash[ctx.blocks[b]] == ctx.block_hash(b + 1)
+                and kept is not None
+                and scores.entries[b * bs + bs - 1 - s] is not None
+            ):
+                # taken already (a fill matched again after waiting a step): its KV and
+                # entries are in place, and the cache's counters have it
+                ctx.num_computed = (b + 1) * bs
+                taken = True
+                continue
             block = self.pool.lookup(ctx.block_hash(b), tuple(ctx.tokens[b * bs : (b + 1) * bs]))
             if block is None:
                 break
@@ -560,10 +571,8 @@ class Scheduler:
                 ctx.blocks.append(block)
             if kept is not None:
                 for i in range(need, bs):
-                    j = b * bs + i - s
-                    # (a fill matched again, after waiting a step, retakes its last block)
-                    self.pool.scores_reused += scores.entries[j] is None
-                    scores.entries[j] = kept.entry(i, k)
+                    scores.entries[b * bs + i - s] = kept.entry(i, k)
+                self.pool.scores_reused += bs - need
                 taken = True
             ctx.num_computed = (b + 1) * bs
         if taken and ctx.num_computed < len(ctx.tokens):

@@ -34,6 +34,10 @@ def _hits(engine) -> int:
     return engine.stats_now().prefix_cache_hits
 
 
+def _reused(engine) -> int:
+    return engine.stats_now().prompt_scores_reused
+
+
 async def _score(engine, cid, tokens, k, parent=None, salt=None):
     """One scoring fill in a context of its own: (entries, tokens computed, cache hits)."""
     prefill, hits = _prefill(engine), _hits(engine)
@@ -99,15 +103,21 @@ def test_two_concurrent_fills_of_one_prompt_compute_it_once(tiny_model_dir, refe
 
     async def main():
         async with engine:
-            before = _prefill(engine)
+            before, hits, reused = _prefill(engine), _hits(engine), _reused(engine)
             got = await asyncio.gather(
                 engine.fill("x", None, prompt, prompt_logprobs=1),
                 engine.fill("y", None, prompt, prompt_logprobs=1),
             )
-            return got, _prefill(engine) - before
+            return got, (
+                _prefill(engine) - before,
+                _hits(engine) - hits,
+                _reused(engine) - reused,
+            )
 
-    (x, y), computed = asyncio.run(main())
+    (x, y), (computed, hits, reused) = asyncio.run(main())
     assert computed == len(prompt) + (len(prompt) - blocks * bs + 1)
+    # the blocks y took, counted once although y was matched again after its wait
+    assert hits == blocks * bs and reused == blocks * bs - 1
     _check_prompt(x.prompt_logprobs, prompt, 1, reference)
     _check_prompt(y.prompt_logprobs, prompt, 1, reference)
 

@@ -622,6 +622,7 @@ async def test_a_multiple_choice_context_is_computed_once(client, engine, scores
     kw = {"model": engine.model_name, "echo": True, "logprobs": 1, "max_tokens": 0}
     before = engine.stats_now().prefill_tokens_computed
     reused = engine.stats_now().prompt_scores_reused
+    hits = engine.stats_now().prefix_cache_hits
     if batched:
         r = await client.completions.create(**kw, prompt=prompts)
         choices = sorted(r.choices, key=lambda c: c.index)
@@ -634,5 +635,7 @@ async def test_a_multiple_choice_context_is_computed_once(client, engine, scores
     assert computed == sum(len(p) for p in prompts) - 3 * (shared - 1)
     # and took those tokens' scores from the kept ones (the first token has none)
     assert engine.stats_now().prompt_scores_reused - reused == 3 * (shared - 1)
+    # (once each, although a prompt of the batch waits for a block and is matched again)
+    assert engine.stats_now().prefix_cache_hits - hits == 3 * shared
     for choice, ids in zip(choices, prompts, strict=True):
         _check_echoed(engine, choice.logprobs, ids, 1, scores)
